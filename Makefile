@@ -1,0 +1,38 @@
+# Everyday targets. `make test` is what CI runs (.ci/run); `make run` runs the embedded default.
+PY ?= python3
+export PYTHONUNBUFFERED = 1
+
+.PHONY: setup run test test-fast test-slow lint format typecheck dry-run bench clean
+
+setup:
+	PYTHON=$(PY) bash scripts/setup.sh
+
+run: setup
+	$(PY) -m draft_opd_ray.main
+
+lint: setup
+	$(PY) -m ruff check draft_opd_ray tests bench
+	$(PY) -m ruff format --check draft_opd_ray tests bench
+
+format: setup
+	$(PY) -m ruff format draft_opd_ray tests bench
+	$(PY) -m ruff check --fix draft_opd_ray tests bench
+
+typecheck: setup
+	$(PY) -m mypy
+
+# Default suite: unit + integration (real vLLM CPU engine, Ray, DeepSpeed). Slow end-to-end runs excluded.
+test: lint typecheck
+	bash scripts/pytest.sh -m "not slow"
+
+test-fast: setup
+	bash scripts/pytest.sh -m "not slow and not vllm and not ray and not deepspeed"
+
+test-slow: setup
+	bash scripts/pytest.sh -m slow
+
+dry-run: setup
+	$(PY) -m draft_opd_ray.main +cluster=8xA100 dry_run=true
+
+clean:
+	rm -rf outputs multirun .mypy_cache .ruff_cache

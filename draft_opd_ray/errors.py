@@ -1,0 +1,18 @@
+"""Errors users see. Each names the offending key or file and what is allowed, so a bad run
+fails in seconds with one readable line instead of a traceback deep inside a Ray actor."""
+
+
+class DraftOPDError(ValueError):
+    """Base class for user-facing errors (bad config, bad data, bad model folder)."""
+
+
+class ConfigError(DraftOPDError):
+    """A config value is invalid. The message starts with the dotted key."""
+
+
+class DataError(DraftOPDError):
+    """A prompt file or prompt set is unusable (missing, empty, malformed)."""
+
+
+class ModelError(DraftOPDError):
+    """A target or draft model folder is missing or does not match the other model."""
