@@ -1,0 +1,372 @@
+"""Typed configuration: every default lives here, once. YAML files under `conf/` only override.
+
+Each dataclass checks its own fields in `__post_init__` (raising ConfigError that names the dotted key);
+checks that span several nodes live in `draft_opd_ray.config.validate`. Hydra composes `conf/config.yaml`
+over these nodes (see `draft_opd_ray.config.store`), so a typo'd key or a wrong type is rejected by
+OmegaConf before our code runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_opd_ray.errors import ConfigError
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class ClusterConfig:
+    """Cluster shape and how many of each actor to start. Picked with `+cluster=NAME`."""
+
+    name: str = "local"
+    ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0 = CPU-only cluster (this machine)
+    cpus_per_node: float = 2.0
+    memory_gb_per_node: float = 24.0
+    gpu_type: str = "cpu"
+    rollout_engines: int = 2
+    rollout_tensor_parallel: int = 1  # GPUs per vLLM engine (must fit in one node)
+    replay_actors: int = 1
+    learner_ranks: int = 1  # DeepSpeed data-parallel size
+    # CPU share of each actor. On a CPU cluster these are all the actors get; on GPU clusters they are
+    # the host CPUs reserved beside the GPUs.
+    cpus_per_rollout: float = 0.4
+    cpus_per_replay: float = 0.4
+    cpus_per_learner: float = 0.6
+    cpus_for_driver: float = 0.2
+
+    def __post_init__(self) -> None:
+        k = "cluster"
+        _check(self.num_nodes >= 1, f"{k}.num_nodes", f"must be >= 1, got {self.num_nodes}")
+        _check(self.gpus_per_node >= 0, f"{k}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        _check(self.cpus_per_node > 0, f"{k}.cpus_per_node", f"must be > 0, got {self.cpus_per_node}")
+        for name in ("rollout_engines", "replay_actors", "learner_ranks", "rollout_tensor_parallel"):
+            v = getattr(self, name)
+            _check(v >= 1, f"{k}.{name}", f"must be >= 1, got {v}")
+        for name in ("cpus_per_rollout", "cpus_per_replay", "cpus_per_learner", "cpus_for_driver"):
+            v = getattr(self, name)
+            _check(v > 0, f"{k}.{name}", f"must be > 0, got {v}")
+
+
+@dataclass
+class TargetConfig:
+    """The target (teacher / verifier) model."""
+
+    path: str = "embedded:smollm2-135m-instruct"  # or a local HF folder (config.json + safetensors + tokenizer)
+    dtype: str = "float32"  # float32 on CPU; bfloat16 on GPUs
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _one_of(self.dtype, "target.dtype", ("float32", "bfloat16", "float16"))
+        _check(self.max_model_len >= 16, "target.max_model_len", f"must be >= 16, got {self.max_model_len}")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model. Kind-specific fields are ignored by the other kinds."""
+
+    kind: str = "eagle3"  # standalone | eagle3 | dflash
+    path: str | None = None  # an existing draft folder to start from (or to evaluate with stages=[eval])
+    num_speculative_tokens: int = 4  # K: tokens proposed per verification step
+    # eagle3
+    aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-3)
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7  # training-time-test unroll depth
+    ttt_decay: float = 0.8
+    # dflash
+    block_size: int = 8  # B; vLLM serves it with num_speculative_tokens = B - 1
+    num_layers: int = 1
+    mask_token_id: int | None = None  # must not be a special token of the target tokenizer
+    dflash_loss_gamma: float = 7.0
+    # standalone
+    hidden_size: int | None = None  # None = derived from the target (standalone init from target layers)
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, "draft.kind", ("standalone", "eagle3", "dflash"))
+        _check(
+            1 <= self.num_speculative_tokens <= 64,
+            "draft.num_speculative_tokens",
+            f"must be in [1, 64], got {self.num_speculative_tokens}",
+        )
+        _check(self.block_size >= 2, "draft.block_size", f"must be >= 2, got {self.block_size}")
+        _check(self.num_layers >= 1, "draft.num_layers", f"must be >= 1, got {self.num_layers}")
+        _check(self.draft_vocab_size >= 2, "draft.draft_vocab_size", "must be >= 2")
+        _check(self.ttt_steps >= 1, "draft.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(0 < self.ttt_decay <= 1, "draft.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+        if self.aux_layer_ids is not None:
+            _check(len(self.aux_layer_ids) >= 1, "draft.aux_layer_ids", "must list at least one layer")
+
+
+@dataclass
+class PromptSetConfig:
+    """One prompt set: a packaged set (sharegpt, mtbench, humaneval) or the user's JSONL/Parquet file."""
+
+    source: str = "sharegpt"  # sharegpt | mtbench | humaneval | jsonl | parquet
+    path: str | None = None  # required for jsonl / parquet
+    text_field: str = "prompt"
+    messages_field: str | None = None  # a list of {"role", "content"}; first user turn is the prompt
+    split: str = "all"  # all | train | eval: deterministic hash split of prompt ids
+    eval_fraction: float = 0.05
+    max_prompts: int = 512
+    max_prompt_tokens: int = 512
+    seed: int = 0
+
+    def check(self, key: str) -> None:
+        _one_of(self.source, f"{key}.source", ("sharegpt", "mtbench", "humaneval", "jsonl", "parquet"))
+        _one_of(self.split, f"{key}.split", ("all", "train", "eval"))
+        _check(
+            0 < self.eval_fraction < 1, f"{key}.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}"
+        )
+        _check(self.max_prompts >= 1, f"{key}.max_prompts", f"must be >= 1, got {self.max_prompts}")
+        _check(
+            self.max_prompt_tokens >= 1,
+            f"{key}.max_prompt_tokens",
+            f"must be >= 1, got {self.max_prompt_tokens}",
+        )
+
+
+def _train_prompts() -> PromptSetConfig:
+    return PromptSetConfig(source="sharegpt", split="train", max_prompts=512)
+
+
+def _eval_prompts() -> PromptSetConfig:
+    return PromptSetConfig(source="mtbench", split="all", max_prompts=40)
+
+
+@dataclass
+class DataConfig:
+    train: PromptSetConfig = field(default_factory=_train_prompts)
+    eval: PromptSetConfig = field(default_factory=_eval_prompts)
+    chat_template: bool = True
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        self.train.check("data.train")
+        self.eval.check("data.eval")
+
+
+@dataclass
+class RolloutConfig:
+    """Target-verified speculative decoding that produces the anchor records (DESIGN.md §2.1)."""
+
+    temperature: float = 0.0  # greedy rollouts (public code default)
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    prompts_per_round: int = 16  # per worker, between two weight swaps
+    kvcache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.prompts_per_round >= 1, "rollout.prompts_per_round", "must be >= 1")
+        _check(self.kvcache_gb > 0, "rollout.kvcache_gb", f"must be > 0, got {self.kvcache_gb}")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+
+
+@dataclass
+class AnchorConfig:
+    """Which block starts are replayed (DESIGN.md §2.2)."""
+
+    policy: str = "error"  # error | all | random
+    max_per_sequence: int = 32
+    max_per_step: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of(self.policy, "anchor.policy", ("error", "all", "random"))
+        _check(self.max_per_sequence >= 1, "anchor.max_per_sequence", "must be >= 1")
+        _check(self.max_per_step >= 1, "anchor.max_per_step", "must be >= 1")
+
+
+@dataclass
+class ReplayConfig:
+    """Teacher scoring at the selected anchors (DESIGN.md §2.3)."""
+
+    mode: str = "recorded"  # recorded | redraft
+    topk: int = 32  # teacher top-k shipped to the learner when loss.estimator = topk
+
+    def __post_init__(self) -> None:
+        _one_of(self.mode, "replay.mode", ("recorded", "redraft"))
+        _check(self.topk >= 1, "replay.topk", f"must be >= 1, got {self.topk}")
+
+
+@dataclass
+class LossConfig:
+    """The acceptance-aware objective (DESIGN.md §2.4)."""
+
+    gamma: float = 0.8  # decay of rejected positions, w_k = gamma^(k-1)
+    lambda_acc: float = 1.0
+    lambda_rej: float = 1.0
+    rejected_scope: str = "all"  # all | first
+    estimator: str = "full"  # full | topk | token
+    directions: str = "mixed"  # mixed | forward | reverse (ablations: one KL everywhere)
+    objective: str = "opd"  # opd | sft_on_rollouts (ablation: CE on committed tokens, no replay)
+    logprob_clamp: float = 10.0
+    vocab_chunk: int = 8192  # vocabulary chunk of the `full` estimator
+
+    def __post_init__(self) -> None:
+        _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(self.lambda_acc >= 0, "loss.lambda_acc", f"must be >= 0, got {self.lambda_acc}")
+        _check(self.lambda_rej >= 0, "loss.lambda_rej", f"must be >= 0, got {self.lambda_rej}")
+        _check(self.lambda_acc + self.lambda_rej > 0, "loss.lambda_acc", "lambda_acc + lambda_rej must be > 0")
+        _one_of(self.rejected_scope, "loss.rejected_scope", ("all", "first"))
+        _one_of(self.estimator, "loss.estimator", ("full", "topk", "token"))
+        _one_of(self.directions, "loss.directions", ("mixed", "forward", "reverse"))
+        _one_of(self.objective, "loss.objective", ("opd", "sft_on_rollouts"))
+        _check(self.logprob_clamp > 0, "loss.logprob_clamp", "must be > 0")
+        _check(self.vocab_chunk >= 1, "loss.vocab_chunk", "must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_ratio: float = 0.05
+    schedule: str = "cosine"  # cosine | constant
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _one_of(self.schedule, "optim.schedule", ("cosine", "constant"))
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "two values in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+
+
+@dataclass
+class LearnerConfig:
+    """DeepSpeed engine of the learner. Data-parallel size = cluster.learner_ranks."""
+
+    zero_stage: int = 0
+    micro_batch_anchors: int = 64
+    dtype: str = "bfloat16"
+    backend: str = "auto"  # auto: nccl on GPUs, gloo on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _check(self.micro_batch_anchors >= 1, "learner.micro_batch_anchors", "must be >= 1")
+        _one_of(self.dtype, "learner.dtype", ("float32", "bfloat16", "float16"))
+        _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous weight broadcast (`async.*` in YAML and on the command line)."""
+
+    max_staleness: int = 2  # batches proposed by a draft more than this many versions old are dropped
+    queue_size: int = 4  # bounded queue between rollout and learner (rounds)
+
+    def __post_init__(self) -> None:
+        _check(self.max_staleness >= 0, "async.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        _check(self.queue_size >= 1, "async.queue_size", f"must be >= 1, got {self.queue_size}")
+
+
+@dataclass
+class SFTConfig:
+    """The SFT warm start / baseline recipe (EAGLE-3 TTT, DFlash block loss, standalone distillation)."""
+
+    num_prompts: int = 2048
+    max_new_tokens: int = 256
+    epochs: int = 1
+    batch_tokens: int = 4096
+    lr: float = 6e-4
+    time_budget_min: float = 30.0  # stop training after this many minutes (the CPU default fits ~45 min)
+    reuse: bool = True  # reuse a finished warm start with the same settings from the cache
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
+        _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")
+        _check(self.epochs >= 1, "sft.epochs", "must be >= 1")
+        _check(self.batch_tokens >= 16, "sft.batch_tokens", "must be >= 16")
+        _check(self.lr > 0, "sft.lr", f"must be > 0, got {self.lr}")
+        _check(self.time_budget_min > 0, "sft.time_budget_min", "must be > 0")
+
+
+@dataclass
+class OPDConfig:
+    """The Draft-OPD loop (rollout → anchors → replay → learner → broadcast)."""
+
+    steps: int = 40
+    anchors_per_step: int = 256
+    checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "opd.steps", f"must be >= 1, got {self.steps}")
+        _check(self.anchors_per_step >= 1, "opd.anchors_per_step", "must be >= 1")
+        _check(self.checkpoint_every >= 1, "opd.checkpoint_every", "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 256
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    baselines: list[str] = field(default_factory=lambda: ["ngram"])
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
+        _check(len(self.concurrency) >= 1 and all(c >= 1 for c in self.concurrency), "eval.concurrency", "values >= 1")
+        for b in self.baselines:
+            _one_of(b, "eval.baselines", ("ngram",))
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "draft_opd_ray"
+    entity: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.mode, "wandb.mode", ("offline", "online", "disabled"))
+
+
+STAGES = ("sft", "opd", "eval")
+
+
+@dataclass
+class Config:
+    """The whole run. `async_` is `async` in YAML (a Python keyword cannot be a field name)."""
+
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    dry_run: bool = False
+    resume: bool = False
+    seed: int = 0
+    cache_dir: str | None = None  # converted target, warm starts; None = $DRAFT_OPD_RAY_CACHE or ~/.cache
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        _check(len(self.stages) >= 1, "stages", f"must name at least one of {list(STAGES)}")
+        for s in self.stages:
+            _one_of(s, "stages", STAGES)
+        _check(len(set(self.stages)) == len(self.stages), "stages", f"lists a stage twice: {self.stages}")
+        order = [s for s in STAGES if s in self.stages]
+        _check(order == list(self.stages), "stages", f"must keep the order {list(STAGES)}, got {self.stages}")

@@ -1,0 +1,56 @@
+"""Registers the typed schema with Hydra and turns a composed DictConfig into a typed `Config`.
+
+The schema node is built from the `Config` dataclass, so defaults are written once. Its `async_` field is
+exposed as `async` (what users type: `async.max_staleness=4`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from draft_opd_ray.config.schema import Config
+
+SCHEMA_NAME = "draft_opd_ray_schema"
+_RENAMES = {"async_": "async"}
+
+
+def schema_node() -> DictConfig:
+    """The root node: every child is typed by its dataclass; the root itself is struct (no unknown keys)."""
+    typed = OmegaConf.structured(Config)
+    root = OmegaConf.create({_RENAMES.get(k, k): typed._get_node(k) for k in typed})
+    OmegaConf.set_struct(root, True)
+    return root
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=schema_node())
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Convert a composed config to `Config`, running every node's `__post_init__` checks."""
+    back = {v: k for k, v in _RENAMES.items()}
+    kwargs: dict[str, Any] = {}
+    for key in cfg:
+        if key == "hydra":
+            continue
+        node = cfg._get_node(key)
+        value = OmegaConf.to_object(node) if isinstance(node, DictConfig) else OmegaConf.to_container(cfg)[key]
+        kwargs[back.get(str(key), str(key))] = value
+    return Config(**kwargs)
+
+
+def compose(overrides: list[str] | None = None) -> Config:
+    """Compose `conf/config.yaml` with overrides outside of `@hydra.main` (tests, notebooks, scripts)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    conf_dir = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+    return to_config(cfg)

