@@ -251,6 +251,13 @@ def test_all_malformed_file(tmp_path, tok):
         P.load_prompt_set(Cfg(path=path), tok)
 
 
+def test_binary_file_as_jsonl(tmp_path, tok):
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(DataError, match=r"data\.path: cannot read .*bin\.jsonl as UTF-8 JSON lines"):
+        P.load_prompt_set(Cfg(path=str(path)), tok)
+
+
 def test_mixed_good_and_bad_lines_counted(tmp_path, tok):
     rows = [
         {"prompt": "hello"},

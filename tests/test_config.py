@@ -1,0 +1,124 @@
+"""Config composition and validation: bad values fail fast with one line naming the key, exit code != 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draft_opd_ray.config.store import compose
+from draft_opd_ray.config.validate import validate
+from draft_opd_ray.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_main(*overrides: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, "-m", "draft_opd_ray.main", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_defaults_compose_to_the_paper_defaults() -> None:
+    cfg = compose()
+    assert cfg.loss.gamma == 0.8 and cfg.loss.lambda_acc == 1.0 and cfg.loss.lambda_rej == 1.0
+    assert cfg.loss.rejected_scope == "all" and cfg.anchor.policy == "error"
+    assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_ratio == 0.05
+    assert cfg.rollout.temperature == 0.0
+    assert cfg.draft.kind == "eagle3" and cfg.draft.num_speculative_tokens == 4
+    assert cfg.stages == ["sft", "opd", "eval"]
+    assert cfg.cluster.name == "local" and cfg.cluster.gpus_per_node == 0
+
+
+def test_async_is_spelled_async_on_the_command_line() -> None:
+    cfg = compose(["async.max_staleness=5", "loss.gamma=0.6", "anchor.policy=random"])
+    assert cfg.async_.max_staleness == 5 and cfg.loss.gamma == 0.6 and cfg.anchor.policy == "random"
+
+
+def test_cluster_group_overrides_learner_and_target() -> None:
+    cfg = compose(["+cluster=2x8xH100"])
+    assert cfg.cluster.num_nodes == 2 and cfg.learner.zero_stage == 2 and cfg.target.dtype == "bfloat16"
+
+
+def test_draft_groups() -> None:
+    d = compose(["draft=dflash"]).draft
+    assert d.kind == "dflash" and d.num_speculative_tokens == d.block_size - 1
+    assert compose(["draft=standalone"]).draft.kind == "standalone"
+
+
+def test_algorithm_ablations() -> None:
+    assert compose(["algorithm=sft_on_rollouts"]).loss.objective == "sft_on_rollouts"
+    assert compose(["algorithm=forward_kl"]).loss.directions == "forward"
+    assert compose(["algorithm=reverse_kl"]).loss.directions == "reverse"
+
+
+def test_valid_config_validates_and_places() -> None:
+    plan = validate(compose())
+    assert len(plan.of("rollout")) == 2 and len(plan.of("replay")) == 1 and len(plan.of("learner")) == 1
+
+
+def test_good_dry_run_exits_zero_fast() -> None:
+    t0 = time.monotonic()
+    r = run_main("+cluster=8xA100", "dry_run=true")
+    assert r.returncode == 0, r.stderr
+    assert "placement plan for cluster '8xA100'" in r.stdout
+    assert time.monotonic() - t0 < 30
+
+
+BAD = [
+    # (overrides, expected exit code, fragment of the error message)
+    (["loss.gamma=1.5"], 2, "loss.gamma: must be in (0, 1], got 1.5"),
+    (["loss.gamma=0"], 2, "loss.gamma: must be in (0, 1], got 0.0"),
+    (["draft.num_speculative_tokens=0"], 2, "draft.num_speculative_tokens: must be in [1, 64]"),
+    (["draft=dflash", "draft.block_size=1"], 2, "draft.block_size: must be >= 2"),
+    (["draft=dflash", "draft.num_speculative_tokens=4"], 2, "DFlash proposes block_size - 1 = 7"),
+    (["anchor.policy=best"], 2, "anchor.policy: must be one of ['error', 'all', 'random'], got 'best'"),
+    (["loss.estimator=exact"], 2, "loss.estimator: must be one of"),
+    (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),
+    (["rollout.temperature=-1"], 2, "rollout.temperature: must be >= 0"),
+    (["+cluster=8xA100", "cluster.rollout_engines=9"], 2, "the actors need 13 GPUs"),
+    (["+cluster=2x8xH100", "cluster.rollout_tensor_parallel=16"], 2, "16 GPUs per engine do not fit a node of 8"),
+    (["cluster.cpus_per_rollout=1.5"], 2, "cannot place"),
+    (["target.path=/does/not/exist"], 2, "target.path: directory not found: /does/not/exist"),
+    (["stages=[eval]"], 2, "draft.path: stages=[eval] evaluates an existing draft"),
+    (["stages=[opd,sft]"], 2, "stages: must keep the order"),
+    (["stages=[train]"], 2, "stages: must be one of"),
+    (["target.max_model_len=300"], 2, "target.max_model_len: 300 is shorter than"),
+    (["data=jsonl", "data.train.path=nope.jsonl"], 2, "data.train.path"),
+    (["data.eval.source=gsm8k"], 2, "data.eval.source: must be one of"),
+    (["data.train.eval_fraction=1.0"], 2, "data.train.eval_fraction: must be in (0, 1)"),
+    (["dry_run=maybe"], 1, "'maybe' is not a valid bool"),
+    (["loss.gammma=0.5"], 1, "gammma"),
+]
+
+
+@pytest.mark.parametrize("overrides,code,fragment", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_rejected_with_a_clear_error(overrides: list[str], code: int, fragment: str) -> None:
+    t0 = time.monotonic()
+    r = run_main(*overrides, "dry_run=true")
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert fragment in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 30  # "within a few seconds": no model, no Ray
+
+
+def test_empty_prompt_file_is_rejected_before_anything_loads(tmp_path: Path) -> None:
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    r = run_main("data=jsonl", f"data.train.path={empty}", "dry_run=true")
+    assert r.returncode == 2 and "empty" in r.stderr, r.stderr
+
+
+def test_validate_raises_config_error_in_process() -> None:
+    with pytest.raises(ConfigError, match="cluster: the actors need"):
+        validate(compose(["+cluster=8xA100", "cluster.learner_ranks=5"]))

@@ -1,0 +1,54 @@
+"""The placement plan fits each cluster exactly: every actor placed, no GPU given twice, no node oversubscribed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from draft_opd_ray.config.store import compose
+from draft_opd_ray.config.validate import plan_for
+from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.placement import ray_bundles
+
+
+@pytest.mark.parametrize("cluster", ["local", "8xA100", "2x8xH100"])
+def test_plan_fits_cluster_exactly(cluster: str) -> None:
+    cfg = compose([f"+cluster={cluster}"])
+    c = cfg.cluster
+    plan = plan_for(cfg)
+    roles = Counter(s.role for s in plan.slots)
+    assert roles == {"rollout": c.rollout_engines, "replay": c.replay_actors, "learner": c.learner_ranks, "driver": 1}
+    for node in range(c.num_nodes):
+        on_node = [s for s in plan.slots if s.node == node]
+        gpus = [g for s in on_node for g in s.gpus]
+        assert len(gpus) == len(set(gpus)), f"GPU given twice on node {node}"
+        assert all(0 <= g < c.gpus_per_node for g in gpus)
+        assert sum(s.cpus for s in on_node) <= c.cpus_per_node + 1e-9
+    # GPU clusters are configured to use every GPU; TP engines stay inside one node.
+    assert plan.gpus_used() == c.num_nodes * c.gpus_per_node
+    for s in plan.of("rollout"):
+        assert len(s.gpus) == (c.rollout_tensor_parallel if c.gpus_per_node else 0)
+    for s in plan.of("replay") + plan.of("learner"):
+        assert len(s.gpus) == (1 if c.gpus_per_node else 0)
+    text = plan.render()
+    for word in ("rollout", "replay", "learner", "driver", "tensor_parallel_size", "ZeRO stage", "data-parallel size"):
+        assert word in text
+
+
+def test_local_plan_uses_fractional_cpus_only() -> None:
+    plan = plan_for(compose())
+    assert plan.gpus_used() == 0
+    assert sum(s.cpus for s in plan.slots) <= 2.0 + 1e-9
+    assert ray_bundles(plan, "rollout") == [{"CPU": 0.4}, {"CPU": 0.4}]
+
+
+def test_gpu_bundles_match_plan() -> None:
+    plan = plan_for(compose(["+cluster=2x8xH100"]))
+    assert ray_bundles(plan, "rollout") == [{"CPU": 16.0, "GPU": 2.0}] * 4
+    assert ray_bundles(plan, "learner") == [{"CPU": 8.0, "GPU": 1.0}] * 4
+
+
+def test_plan_reports_shortfall() -> None:
+    with pytest.raises(ConfigError, match="cannot place replay #0 .*free per node: node 0: 4 GPU"):
+        plan_for(compose(["+cluster=8xA100", "cluster.cpus_per_replay=80"]))
