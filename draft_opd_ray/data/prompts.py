@@ -102,6 +102,8 @@ def check_prompt_source(cfg: Any, key: str = "data") -> None:
         raise DataError(
             f"{key}.path: source '{source}' expects {'/'.join(_EXTENSIONS[source])}: {path}{hint}"
         )
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{key}.path: file is empty: {path}")
     if source == "parquet" and importlib.util.find_spec("pyarrow") is None:
         raise DataError(f"{key}.source: 'parquet' needs pyarrow: pip install pyarrow")
 
@@ -184,7 +186,7 @@ def _stream_json_array(path: str, on_truncated: Callable[[], None]) -> Iterator[
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, str]]:
-    opener = gzip.open if path.endswith(".gz") else open
+    opener = gzip.open if path.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if line.strip():
@@ -193,11 +195,14 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, str]]:
 
 def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
     if source == "jsonl":
-        for n, line in _read_jsonl(cfg.path):
-            try:
-                yield n, json.loads(line)
-            except ValueError:
-                yield n, None
+        try:
+            for n, line in _read_jsonl(cfg.path):
+                try:
+                    yield n, json.loads(line)
+                except ValueError:
+                    yield n, None
+        except (UnicodeDecodeError, OSError) as e:  # binary file, bad gzip
+            raise DataError(f"{key}.path: cannot read {cfg.path} as UTF-8 JSON lines ({e})") from e
         return
     import pyarrow.parquet as pq
 
@@ -262,7 +267,7 @@ def iter_raw_prompts(
     for n, row in _iter_rows(cfg, source, key):
         n_rows += 1
         messages, reason = _row_prompt(row, cfg)
-        meta: dict[str, Any] = {"row": n}
+        meta = {"row": n}
         if isinstance(row, dict) and isinstance(row.get("category"), str):
             meta["category"] = row["category"]
         rid = row.get("id") if isinstance(row, dict) else None
