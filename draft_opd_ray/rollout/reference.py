@@ -1,0 +1,190 @@
+"""Reference speculative decoding in plain PyTorch: the ground truth for tests, and the rollout path for
+anything vLLM cannot serve.
+
+One verification step, per request (DESIGN.md §1):
+    draft proposes y_1..y_K from the committed prefix            (Drafter.propose)
+    target scores prefix + y_1..y_K in one forward                (p_1..p_{K+1})
+    greedy:   accept while y_k == argmax p_k; then emit argmax p_{a+1}
+    sampling: accept y_k with prob min(1, p_k(y_k) / q_k(y_k)); on the first rejection emit a sample of
+              normalize(max(0, p_k - q_k)); after a full accept emit a sample of p_{K+1}
+so the output equals the target's greedy output, or is distributed as the target's samples.
+
+Requests are batched: the target scores all active requests in one right-padded forward (no KV cache:
+the sequences here are short, and recomputation keeps padding and acceptance bookkeeping trivially
+correct). Produces the same `RequestRecord`s as the vLLM rollout worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draft_opd_ray.rollout.records import RequestRecord
+
+
+class Drafter(Protocol):
+    def propose(
+        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """Drafted ids (k per sequence) and the draft's distributions q over them: (B, k, V) probabilities
+        (one-hot under greedy)."""
+        ...
+
+
+def padded_logits(model: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int = 0) -> torch.Tensor:
+    """Logits of a causal LM over right-padded sequences: (B, Lmax, V) in float32."""
+    lens = [len(s) for s in seqs]
+    L = max(lens)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+class CausalLMDrafter:
+    """A standalone draft LM with the target's tokenizer proposes k tokens autoregressively."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def propose(
+        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        cur = [list(s) for s in seqs]
+        qs = []
+        for _ in range(k):
+            logits = padded_logits(self.model, cur)
+            last = torch.stack([logits[i, len(s) - 1] for i, s in enumerate(cur)])  # (B, V)
+            q = _probs(last, temperature)
+            tok = q.argmax(-1) if temperature == 0 else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            for i, t in enumerate(tok.tolist()):
+                cur[i].append(t)
+            qs.append(q)
+        drafted = [c[len(s) :] for c, s in zip(cur, seqs)]
+        return drafted, torch.stack(qs, dim=1)  # (B, k, V)
+
+
+@dataclass
+class StepResult:
+    accepted: int
+    emitted: list[int]  # accepted drafted tokens + the correction/bonus token
+    teacher_logprob_drafted: list[float]
+
+
+def verify_block(
+    p: torch.Tensor, q: torch.Tensor, drafted: list[int], temperature: float, generator: torch.Generator | None
+) -> StepResult:
+    """Lossless acceptance of one drafted block. p: (K+1, V) target probs at the K+1 positions, q: (K, V)."""
+    K = len(drafted)
+    logp = torch.log(p.clamp_min(1e-30))
+    lp = [float(logp[k, drafted[k]]) for k in range(K)]
+    for k, y in enumerate(drafted):
+        if temperature == 0:
+            ok = int(p[k].argmax()) == y
+        else:
+            ratio = float(p[k, y] / q[k, y].clamp_min(1e-30))
+            u = float(torch.rand((), generator=generator))
+            ok = u < min(1.0, ratio)
+        if not ok:
+            if temperature == 0:
+                fix = int(p[k].argmax())
+            else:
+                resid = (p[k] - q[k]).clamp_min(0)
+                resid = resid / resid.sum() if resid.sum() > 0 else p[k]
+                fix = int(torch.multinomial(resid, 1, generator=generator))
+            return StepResult(k, drafted[:k] + [fix], lp)
+    bonus = int(p[K].argmax()) if temperature == 0 else int(torch.multinomial(p[K], 1, generator=generator))
+    return StepResult(K, list(drafted) + [bonus], lp)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: torch.nn.Module,
+    drafter: Drafter,
+    prompts: Sequence[list[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+    policy_version: int = 0,
+) -> list[RequestRecord]:
+    """Speculative decoding of a batch of prompts; one record per prompt (DESIGN.md §2.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    recs = [RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)]
+    # Prefill: the first response token comes from the target alone and belongs to no step.
+    logits = padded_logits(target, [r.prompt_ids for r in recs])
+    for i, r in enumerate(recs):
+        p0 = _probs(logits[i, len(r.prompt_ids) - 1], temperature)
+        tok = int(p0.argmax()) if temperature == 0 else int(torch.multinomial(p0, 1, generator=gen))
+        r.response_ids.append(tok)
+    active = [r for r in recs if not _finished(r, max_new_tokens, eos_token_id)]
+    while active:
+        seqs = [r.prompt_ids + r.response_ids for r in active]
+        drafted, q = drafter.propose(seqs, k, temperature, gen)
+        logits = padded_logits(target, [s + d for s, d in zip(seqs, drafted)])
+        for i, (r, s, d) in enumerate(zip(active, seqs, drafted)):
+            p = _probs(logits[i, len(s) - 1 : len(s) + len(d)], temperature) if temperature else None
+            if p is None:  # greedy: keep real probabilities for the teacher log-probs
+                real = torch.softmax(logits[i, len(s) - 1 : len(s) + len(d)], dim=-1)
+                res = verify_block(real, q[i], d, 0.0, gen)
+            else:
+                res = verify_block(p, q[i], d, temperature, gen)
+            r.anchor_pos.append(len(s) - 1)
+            r.drafted.append(list(d))
+            r.accepted.append(res.accepted)
+            r.policy_version.append(policy_version)
+            r.teacher_logprob_drafted.append(res.teacher_logprob_drafted)
+            r.response_ids.extend(res.emitted)
+            _truncate(r, max_new_tokens, eos_token_id)
+        active = [r for r in active if not _finished(r, max_new_tokens, eos_token_id)]
+    return recs
+
+
+def _truncate(r: RequestRecord, max_new_tokens: int, eos: int | None) -> None:
+    if eos is not None and eos in r.response_ids:
+        r.response_ids = r.response_ids[: r.response_ids.index(eos) + 1]
+        r.finish_reason = "stop"
+    if len(r.response_ids) >= max_new_tokens:
+        r.response_ids = r.response_ids[:max_new_tokens]
+        r.finish_reason = r.finish_reason or "length"
+
+
+def _finished(r: RequestRecord, max_new_tokens: int, eos: int | None) -> bool:
+    _truncate(r, max_new_tokens, eos)
+    return r.finish_reason != ""
+
+
+@torch.no_grad()
+def target_generate(
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> list[list[int]]:
+    """The target's own greedy decoding (one token per forward), the reference for lossless tests."""
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    while not all(done):
+        idx = [i for i, d in enumerate(done) if not d]
+        logits = padded_logits(target, [list(prompts[i]) + out[i] for i in idx])
+        for j, i in enumerate(idx):
+            tok = int(logits[j, len(prompts[i]) + len(out[i]) - 1].argmax())
+            out[i].append(tok)
+            if tok == eos_token_id or len(out[i]) >= max_new_tokens:
+                done[i] = True
+    return out
