@@ -131,9 +131,7 @@ def build_plan(
                 + f". Lower cluster.cpus_per_{role if role != DRIVER else 'driver'} or the actor counts."
             )
     device = "GPU" if gpu else "CPU"
-    plan.vllm_layout = (
-        f"{rollout_engines} engine(s) x tensor_parallel_size={rollout_tensor_parallel if gpu else 1} on {device}"
-    )
+    plan.vllm_layout = f"{rollout_engines} engine(s) x tensor_parallel_size={rollout_tensor_parallel if gpu else 1} on {device}"
     plan.deepspeed_layout = f"ZeRO stage {zero_stage}, data-parallel size {learner_ranks}, {device}"
     return plan
 

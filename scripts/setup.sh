@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour="${1:-cpu}"
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore
 prefix=$("$PY" -c 'import sys; print(sys.prefix)')
 hash=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
 stamp="$prefix/.draft_opd_ray-setup-$flavour-$hash"

@@ -87,7 +87,11 @@ BAD = [
     (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),
     (["rollout.temperature=-1"], 2, "rollout.temperature: must be >= 0"),
     (["+cluster=8xA100", "cluster.rollout_engines=9"], 2, "the actors need 13 GPUs"),
-    (["+cluster=2x8xH100", "cluster.rollout_tensor_parallel=16"], 2, "16 GPUs per engine do not fit a node of 8"),
+    (
+        ["+cluster=2x8xH100", "cluster.rollout_tensor_parallel=16"],
+        2,
+        "16 GPUs per engine do not fit a node of 8",
+    ),
     (["cluster.cpus_per_rollout=1.5"], 2, "cannot place"),
     (["target.path=/does/not/exist"], 2, "target.path: directory not found: /does/not/exist"),
     (["stages=[eval]"], 2, "draft.path: stages=[eval] evaluates an existing draft"),

@@ -18,7 +18,12 @@ def test_plan_fits_cluster_exactly(cluster: str) -> None:
     c = cfg.cluster
     plan = plan_for(cfg)
     roles = Counter(s.role for s in plan.slots)
-    assert roles == {"rollout": c.rollout_engines, "replay": c.replay_actors, "learner": c.learner_ranks, "driver": 1}
+    assert roles == {
+        "rollout": c.rollout_engines,
+        "replay": c.replay_actors,
+        "learner": c.learner_ranks,
+        "driver": 1,
+    }
     for node in range(c.num_nodes):
         on_node = [s for s in plan.slots if s.node == node]
         gpus = [g for s in on_node for g in s.gpus]
@@ -32,7 +37,15 @@ def test_plan_fits_cluster_exactly(cluster: str) -> None:
     for s in plan.of("replay") + plan.of("learner"):
         assert len(s.gpus) == (1 if c.gpus_per_node else 0)
     text = plan.render()
-    for word in ("rollout", "replay", "learner", "driver", "tensor_parallel_size", "ZeRO stage", "data-parallel size"):
+    for word in (
+        "rollout",
+        "replay",
+        "learner",
+        "driver",
+        "tensor_parallel_size",
+        "ZeRO stage",
+        "data-parallel size",
+    ):
         assert word in text
 
 

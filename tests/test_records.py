@@ -74,7 +74,12 @@ def test_parquet_round_trip_is_lossless(tmp_path: Path) -> None:
     path = write_parquet(recs, tmp_path / "anchors" / "round_0.parquet")
     back = read_parquet(path)
     assert [r.__dict__ for r in back] == [
-        {**r.__dict__, "teacher_logprob_drafted": [[float(__import__("numpy").float32(x)) for x in row] for row in r.teacher_logprob_drafted]}
+        {
+            **r.__dict__,
+            "teacher_logprob_drafted": [
+                [float(__import__("numpy").float32(x)) for x in row] for row in r.teacher_logprob_drafted
+            ],
+        }
         for r in recs
     ]
     import pyarrow.parquet as pq

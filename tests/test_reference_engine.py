@@ -58,13 +58,17 @@ def test_eos_stops_and_records_stay_consistent() -> None:
     target, draft = tiny_lm(64, 0), tiny_lm(64, 1)
     free = target_generate(target, PROMPTS[:1], max_new_tokens=30)[0]
     eos = free[7]  # a token the target emits: generation must stop right after it
-    recs = speculative_generate(target, CausalLMDrafter(draft), PROMPTS[:1], k=3, max_new_tokens=30, eos_token_id=eos)
+    recs = speculative_generate(
+        target, CausalLMDrafter(draft), PROMPTS[:1], k=3, max_new_tokens=30, eos_token_id=eos
+    )
     resp = recs[0].response_ids
     assert resp == free[: free.index(eos) + 1] and recs[0].finish_reason == "stop"
     assert consistency_error(recs[0]) is None
 
 
-def exact_joint(target: LlamaForCausalLM, prompt: list[int], n: int, vocab: int) -> dict[tuple[int, ...], float]:
+def exact_joint(
+    target: LlamaForCausalLM, prompt: list[int], n: int, vocab: int
+) -> dict[tuple[int, ...], float]:
     """P(t_1..t_n | prompt) for every outcome, by enumeration of the target at temperature 1."""
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(n):

@@ -61,7 +61,9 @@ class ClusterConfig:
 class TargetConfig:
     """The target (teacher / verifier) model."""
 
-    path: str = "embedded:smollm2-135m-instruct"  # or a local HF folder (config.json + safetensors + tokenizer)
+    path: str = (
+        "embedded:smollm2-135m-instruct"  # or a local HF folder (config.json + safetensors + tokenizer)
+    )
     dtype: str = "float32"  # float32 on CPU; bfloat16 on GPUs
     max_model_len: int = 2048
 
@@ -223,7 +225,9 @@ class LossConfig:
         _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
         _check(self.lambda_acc >= 0, "loss.lambda_acc", f"must be >= 0, got {self.lambda_acc}")
         _check(self.lambda_rej >= 0, "loss.lambda_rej", f"must be >= 0, got {self.lambda_rej}")
-        _check(self.lambda_acc + self.lambda_rej > 0, "loss.lambda_acc", "lambda_acc + lambda_rej must be > 0")
+        _check(
+            self.lambda_acc + self.lambda_rej > 0, "loss.lambda_acc", "lambda_acc + lambda_rej must be > 0"
+        )
         _one_of(self.rejected_scope, "loss.rejected_scope", ("all", "first"))
         _one_of(self.estimator, "loss.estimator", ("full", "topk", "token"))
         _one_of(self.directions, "loss.directions", ("mixed", "forward", "reverse"))
@@ -243,9 +247,15 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _check(
+            0 <= self.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}"
+        )
         _one_of(self.schedule, "optim.schedule", ("cosine", "constant"))
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "two values in [0, 1)")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optim.betas",
+            "two values in [0, 1)",
+        )
         _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
 
 
@@ -259,7 +269,11 @@ class LearnerConfig:
     backend: str = "auto"  # auto: nccl on GPUs, gloo on CPU
 
     def __post_init__(self) -> None:
-        _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _check(
+            self.zero_stage in (0, 1, 2, 3),
+            "learner.zero_stage",
+            f"must be 0, 1, 2 or 3, got {self.zero_stage}",
+        )
         _check(self.micro_batch_anchors >= 1, "learner.micro_batch_anchors", "must be >= 1")
         _one_of(self.dtype, "learner.dtype", ("float32", "bfloat16", "float16"))
         _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
@@ -320,7 +334,11 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
-        _check(len(self.concurrency) >= 1 and all(c >= 1 for c in self.concurrency), "eval.concurrency", "values >= 1")
+        _check(
+            len(self.concurrency) >= 1 and all(c >= 1 for c in self.concurrency),
+            "eval.concurrency",
+            "values >= 1",
+        )
         for b in self.baselines:
             _one_of(b, "eval.baselines", ("ngram",))
 

@@ -37,7 +37,9 @@ def to_config(cfg: DictConfig) -> Config:
         if key == "hydra":
             continue
         node = cfg._get_node(key)
-        value = OmegaConf.to_object(node) if isinstance(node, DictConfig) else OmegaConf.to_container(cfg)[key]
+        value = (
+            OmegaConf.to_object(node) if isinstance(node, DictConfig) else OmegaConf.to_container(cfg)[key]
+        )
         kwargs[back.get(str(key), str(key))] = value
     return Config(**kwargs)
 

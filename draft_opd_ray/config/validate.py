@@ -42,7 +42,9 @@ def _check_draft(cfg: Config) -> None:
     if d.path is not None and not Path(d.path).is_dir():
         raise ConfigError(f"draft.path: directory not found: {d.path}")
     if "eval" in cfg.stages and "sft" not in cfg.stages and "opd" not in cfg.stages and d.path is None:
-        raise ConfigError("draft.path: stages=[eval] evaluates an existing draft; set draft.path=<draft folder>")
+        raise ConfigError(
+            "draft.path: stages=[eval] evaluates an existing draft; set draft.path=<draft folder>"
+        )
 
 
 def _check_draft_against_target(cfg: Config) -> None:
@@ -50,12 +52,16 @@ def _check_draft_against_target(cfg: Config) -> None:
     from draft_opd_ray.models.target import read_target_info, resolve_target_path
 
     if not cfg.target.path.startswith("embedded:") and not Path(cfg.target.path).is_dir():
-        raise ConfigError(f"target.path: directory not found: {cfg.target.path} (no model hub here; give a local folder)")
+        raise ConfigError(
+            f"target.path: directory not found: {cfg.target.path} (no model hub here; give a local folder)"
+        )
     if cfg.target.path.startswith("embedded:"):
         from draft_opd_ray.models.target import EMBEDDED_TARGET
 
         if cfg.target.path != EMBEDDED_TARGET:
-            raise ConfigError(f"target.path: unknown embedded target {cfg.target.path!r}; known: {EMBEDDED_TARGET}")
+            raise ConfigError(
+                f"target.path: unknown embedded target {cfg.target.path!r}; known: {EMBEDDED_TARGET}"
+            )
         return  # converted lazily on first use; its shape is known: checked again after conversion
     info = read_target_info(resolve_target_path(cfg.target.path))
     check_draft_fits_target(cfg, info.num_layers, info.vocab_size)
@@ -66,11 +72,17 @@ def check_draft_fits_target(cfg: Config, num_layers: int, vocab_size: int) -> No
     if d.kind == "eagle3" and d.aux_layer_ids is not None:
         bad = [i for i in d.aux_layer_ids if not 0 <= i < num_layers]
         if bad:
-            raise ConfigError(f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers")
+            raise ConfigError(
+                f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers"
+            )
     if d.kind == "eagle3" and d.draft_vocab_size > vocab_size:
-        raise ConfigError(f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}")
+        raise ConfigError(
+            f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}"
+        )
     if d.kind == "dflash" and d.mask_token_id is not None and not 0 <= d.mask_token_id < vocab_size:
-        raise ConfigError(f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})")
+        raise ConfigError(
+            f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})"
+        )
 
 
 def _check_data(cfg: Config) -> None:

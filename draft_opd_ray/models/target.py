@@ -156,8 +156,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` into a float32 Llama safetensors folder ``out`` (which exists and is empty)."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
-        from transformers import LlamaForCausalLM
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            GenerationConfig,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ModelError(f"converting the embedded target needs torch and transformers: {exc}") from exc
 
@@ -194,7 +199,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
     if not getattr(tok, "chat_template", None):
-        raise ModelError(f"{name}: the GGUF file has no chat template; the converted target would be unusable")
+        raise ModelError(
+            f"{name}: the GGUF file has no chat template; the converted target would be unusable"
+        )
     tok.model_max_length = config.max_position_embeddings
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))

@@ -68,7 +68,9 @@ class CausalLMDrafter:
             logits = padded_logits(self.model, cur)
             last = torch.stack([logits[i, len(s) - 1] for i, s in enumerate(cur)])  # (B, V)
             q = _probs(last, temperature)
-            tok = q.argmax(-1) if temperature == 0 else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            tok = (
+                q.argmax(-1) if temperature == 0 else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            )
             for i, t in enumerate(tok.tolist()):
                 cur[i].append(t)
             qs.append(q)
@@ -84,7 +86,11 @@ class StepResult:
 
 
 def verify_block(
-    p: torch.Tensor, q: torch.Tensor, drafted: list[int], temperature: float, generator: torch.Generator | None
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafted: list[int],
+    temperature: float,
+    generator: torch.Generator | None,
 ) -> StepResult:
     """Lossless acceptance of one drafted block. p: (K+1, V) target probs at the K+1 positions, q: (K, V)."""
     K = len(drafted)
@@ -124,7 +130,9 @@ def speculative_generate(
 ) -> list[RequestRecord]:
     """Speculative decoding of a batch of prompts; one record per prompt (DESIGN.md §2.1)."""
     gen = torch.Generator().manual_seed(seed)
-    recs = [RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)]
+    recs = [
+        RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)
+    ]
     # Prefill: the first response token comes from the target alone and belongs to no step.
     logits = padded_logits(target, [r.prompt_ids for r in recs])
     for i, r in enumerate(recs):
