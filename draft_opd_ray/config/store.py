@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from draft_opd_ray.config.schema import Config
 
@@ -37,9 +37,12 @@ def to_config(cfg: DictConfig) -> Config:
         if key == "hydra":
             continue
         node = cfg._get_node(key)
-        value = (
-            OmegaConf.to_object(node) if isinstance(node, DictConfig) else OmegaConf.to_container(cfg)[key]
-        )
+        if isinstance(node, DictConfig):
+            value: Any = OmegaConf.to_object(node)
+        elif isinstance(node, ListConfig):
+            value = OmegaConf.to_container(node)
+        else:
+            value = cfg[key]
         kwargs[back.get(str(key), str(key))] = value
     return Config(**kwargs)
 

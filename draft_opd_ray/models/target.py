@@ -192,7 +192,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
     model.load_state_dict(state, strict=True)
-    model.to(torch.float32)
+    model.float()
     del state
 
     model.generation_config = GenerationConfig(

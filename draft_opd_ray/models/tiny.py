@@ -105,7 +105,7 @@ def _build(
     # Seed a private generator state: the global RNG of the caller is restored afterwards.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).float()
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(str(out))
 
