@@ -21,7 +21,8 @@ included (positions outside A and R carry weight 0):
 Estimators (`objective_terms` dispatches on `LossSpec.estimator`; the inputs dataclass must match):
     full   FullInputs   exact KL over the vocabulary from the student's hidden states and lm_head weight; chunked
                         over tokens and vocabulary, student logits recomputed chunk-wise in backward, so no
-                        [T x V] intermediate is ever live (like fused linear cross-entropy).
+                        [T x V] intermediate is ever live (like fused linear cross-entropy). Cost: the logits
+                        are computed three times (two forward passes, one in backward), ~2x naive time on CPU.
     topk   TopkInputs   KL of the distributions coarse-grained to S + {tail}: S = teacher top-k ids united with the
                         draft's own top-m ids, tail = the rest of the mass on each side. A lower bound of the full
                         KL (data processing), equal to it when S covers the vocabulary.
@@ -391,7 +392,8 @@ def objective_terms(
         )
     sets = position_sets(accepted, valid_len, block_size, spec.rejected_scope)
     w_fwd_nk, w_rev_nk = position_weights(accepted, valid_len, block_size, spec)
-    w_fwd, w_rev = w_fwd_nk[sets.valid], w_rev_nk[sets.valid]  # (T,)
+    device = inputs.hidden.device if isinstance(inputs, FullInputs) else inputs.student_logits.device
+    w_fwd, w_rev = w_fwd_nk[sets.valid].to(device), w_rev_nk[sets.valid].to(device)  # (T,)
     T = w_fwd.shape[0]
     lp_clamped = 0
     if isinstance(inputs, FullInputs):
