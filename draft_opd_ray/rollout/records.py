@@ -33,7 +33,11 @@ class RequestRecord:
     # target log-prob of each drafted token given the drafted prefix; empty lists where unknown
     teacher_logprob_drafted: list[list[float]] = field(default_factory=list)
     request_id: str = ""
-    finish_reason: str = ""  # "length" | "stop" | "abort" | ""
+    finish_reason: str = ""  # "length" | "stop" | "abort" | "error" | ""
+    error: str = ""  # why the request was not run (empty prompt, too long, ...)
+    # vLLM's own per-request spec-decode counters for the same request (-1 when not from vLLM)
+    vllm_steps: int = -1
+    vllm_accepted: int = -1
 
     @property
     def num_steps(self) -> int:
@@ -77,6 +81,12 @@ def tau(records: Sequence[RequestRecord]) -> float:
     return 1.0 + sum(sum(r.accepted) for r in records) / steps if steps else float("nan")
 
 
+def tau_vllm(records: Sequence[RequestRecord]) -> float:
+    """The same quantity from vLLM's own per-request spec-decode counters."""
+    steps = sum(max(r.vllm_steps, 0) for r in records)
+    return 1.0 + sum(max(r.vllm_accepted, 0) for r in records) / steps if steps else float("nan")
+
+
 def acceptance_per_position(records: Sequence[RequestRecord], k: int) -> list[float]:
     """P(position j of a drafted block is accepted), j = 1..k, over the steps that drafted >= j tokens."""
     hit, seen = np.zeros(k), np.zeros(k)
@@ -106,6 +116,9 @@ def _schema():  # noqa: ANN202 - pyarrow imported lazily
             ("policy_version", pa.list_(pa.int64())),
             ("teacher_logprob_drafted", pa.list_(pa.list_(pa.float32()))),
             ("finish_reason", pa.string()),
+            ("error", pa.string()),
+            ("vllm_steps", pa.int64()),
+            ("vllm_accepted", pa.int64()),
         ]
     )
 

@@ -1,0 +1,219 @@
+"""A vLLM engine doing target-verified speculative decoding that returns anchor records.
+
+Used by the Ray rollout worker (draft_opd_ray.rollout.worker) and by evaluation. The engine checks each
+request before submitting it (empty prompt, prompt too long for the model): a bad request gets a record
+with `error` set and the others run normally. Start-up problems (draft and target vocabularies differ,
+invalid sampling settings) raise ConfigError / ModelError before the engine starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.errors import ConfigError, ModelError
+from draft_opd_ray.rollout.records import RequestRecord
+
+SCHEDULER = "draft_opd_ray.rollout.vllm_ext.AnchorRecordingScheduler"
+EXTENSION = "draft_opd_ray.rollout.vllm_ext.DraftWeightExtension"
+VLLM_METHOD = {"standalone": "draft_model", "eagle3": "eagle3", "dflash": "dflash"}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # target log-prob of each committed token (costs a little)
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+
+def speculative_config(kind: str, path: str | None, k: int) -> dict[str, Any] | None:
+    """The exact `speculative_config` vLLM takes for a draft (None = plain decoding)."""
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    if kind not in VLLM_METHOD:
+        raise ConfigError(f"draft.kind: must be one of {sorted(VLLM_METHOD)} (or none/ngram), got {kind!r}")
+    if path is None:
+        raise ConfigError(f"draft.path: a {kind} draft needs a folder")
+    return {"method": VLLM_METHOD[kind], "model": str(path), "num_speculative_tokens": k}
+
+
+def check_vocab_match(target: str | Path, draft: str | Path, kind: str) -> None:
+    """A draft that shares the target's vocabulary must have its size (EAGLE-3 maps its own via d2t)."""
+    t = json.loads((Path(target) / "config.json").read_text())
+    d = json.loads((Path(draft) / "config.json").read_text())
+    tv = t.get("vocab_size") or t.get("text_config", {}).get("vocab_size")
+    dv = d.get("vocab_size")
+    if kind == "standalone" and tv != dv:
+        raise ModelError(
+            f"draft.path: draft vocabulary {dv} differs from the target's {tv}; a standalone draft "
+            "must use the target's tokenizer"
+        )
+    if kind == "eagle3" and d.get("draft_vocab_size", dv) > tv:
+        raise ModelError(
+            f"draft.path: draft_vocab_size {d.get('draft_vocab_size')} exceeds the target's {tv}"
+        )
+
+
+class SpecDecodeEngine:
+    """vLLM `LLM` + anchor recording + in-place draft updates. Create inside a `__main__`-guarded process."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        *,
+        draft_kind: str,
+        draft_path: str | Path | None,
+        num_speculative_tokens: int,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        kvcache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        record: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if draft_path is not None and draft_kind in VLLM_METHOD:
+            check_vocab_match(target, draft_path, draft_kind)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
+        from vllm import LLM
+
+        spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, num_speculative_tokens)
+        self.spec_config = spec
+        self.target = str(target)
+        self.max_model_len = max_model_len
+        self.record = record and spec is not None
+        kwargs: dict[str, Any] = {}
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+            if self.record:
+                kwargs["scheduler_cls"] = SCHEDULER
+            if draft_kind in VLLM_METHOD:
+                kwargs["worker_extension_cls"] = EXTENSION
+        self.llm = LLM(
+            self.target,
+            dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            **kwargs,
+        )
+        self.version = 0
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    def _request_error(self, ids: Sequence[int], sampling: Sampling) -> str:
+        if len(ids) == 0:
+            return "empty prompt"
+        if len(ids) + sampling.max_new_tokens > self.max_model_len:
+            return (
+                f"prompt of {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        return ""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[RequestRecord]:
+        """Speculative decoding of token-id prompts; one record per prompt, in order."""
+        from vllm import SamplingParams, TokensPrompt
+
+        sampling.check()
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            seed=sampling.seed if sampling.temperature > 0 else None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            logprobs=0 if sampling.logprobs else None,
+            detokenize=False,
+        )
+        records = [
+            RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i))
+            for i, p in enumerate(prompts)
+        ]
+        ok = []
+        for rec in records:
+            rec.error = self._request_error(rec.prompt_ids, sampling)
+            if rec.error:
+                rec.finish_reason = "error"
+            else:
+                ok.append(rec)
+        if ok:
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in ok], params, use_tqdm=False
+            )
+            for rec, out in zip(ok, outs):
+                self._fill(rec, out)
+        return records
+
+    def _fill(self, rec: RequestRecord, out: Any) -> None:
+        from draft_opd_ray.rollout.vllm_ext import TRACE_KEY
+
+        comp = out.outputs[0]
+        rec.response_ids = list(comp.token_ids)
+        rec.finish_reason = str(comp.finish_reason or "")
+        m = comp.spec_decode_metrics
+        if m is not None:
+            d = m.to_dict()
+            rec.vllm_steps = int(d["num_spec_steps"])
+            rec.vllm_accepted = int(d["num_accepted_draft_tokens"])
+        steps = (out.kv_transfer_params or {}).get(TRACE_KEY, []) if self.record else []
+        base = len(rec.prompt_ids)
+        for before, drafted, accepted, lp in steps:
+            rec.anchor_pos.append(base + before - 1)
+            rec.drafted.append(list(drafted))
+            rec.accepted.append(int(accepted))
+            rec.policy_version.append(self.version)
+            # target log-probs of the committed tokens; for accepted drafted tokens these are the drafted ones
+            rec.teacher_logprob_drafted.append(list(lp[:accepted]))
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def load_draft_weights(self, weights: dict[str, Any], version: int) -> None:
+        """Swap the draft's weights in place (between generation rounds); later records carry `version`.
+
+        The full draft state (checkpoint names) is written once to a file in shared memory that the engine's
+        worker process reads; vLLM's reloader needs every weight, not a subset."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.NamedTemporaryFile(dir=shm, prefix="draft_opd_ray_", suffix=".safetensors") as f:
+            save_file({k: v.contiguous() for k, v in weights.items()}, f.name)
+            self.llm.collective_rpc("load_draft_weights", args=(f.name, version))
+        # cached prompt blocks hold KV computed by the old draft: drop them
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def shutdown(self) -> None:
+        import gc
+
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            with contextlib.suppress(Exception):  # best effort on teardown
+                engine.llm_engine.engine_core.shutdown()
+            del self.llm
+        gc.collect()

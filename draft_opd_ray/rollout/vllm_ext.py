@@ -1,0 +1,116 @@
+"""vLLM extension points for anchor recording and in-place draft weight updates (no fork, no patching).
+
+Both classes are loaded by qualified name inside vLLM's own processes:
+
+* `AnchorRecordingScheduler` (`LLM(..., scheduler_cls=...)`, runs in the EngineCore process): after each
+  model step it reads, per request, the drafted ids the target just verified
+  (`SchedulerOutput.scheduled_spec_decode_tokens`) and the tokens the target sampled for them
+  (`ModelRunnerOutput.sampled_token_ids`: the accepted drafts plus one correction/bonus token), so
+  accepted = len(sampled) - 1, exactly vLLM's own counter. The step list travels back to the driver on
+  the request's final output in `kv_transfer_params` (a free-form dict vLLM copies verbatim into
+  `RequestOutput.kv_transfer_params`; unused when no KV connector is configured, which we check).
+* `DraftWeightExtension` (`LLM(..., worker_extension_cls=...)`, mixed into the worker): methods callable
+  from the driver through `llm.collective_rpc`. `load_draft_weights` reloads the running draft with vLLM's
+  in-place reloader (the one `Worker.reload_weights` uses for the target): on CPU the linear weights are
+  repacked after loading, so a plain `model.load_weights` afterwards does not take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+TRACE_KEY = "draft_opd_ray_steps"
+VERSION_KEY = "draft_opd_ray_policy_version"
+
+
+class AnchorRecordingScheduler(Scheduler):
+    """Records (committed-before, drafted, accepted, target log-probs) for every verification step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.vllm_config.kv_transfer_config is not None:
+            raise ValueError("anchor recording uses kv_transfer_params; it cannot run with a KV connector")
+        self._steps: dict[str, list[tuple[int, list[int], int, list[float]]]] = {}
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        sampled_all = model_runner_output.sampled_token_ids
+        if spec and sampled_all:
+            index = model_runner_output.req_id_to_index
+            lps = model_runner_output.logprobs
+            for rid, drafted in spec.items():
+                req, i = self.requests.get(rid), index.get(rid)
+                if req is None or i is None or i >= len(sampled_all) or not sampled_all[i]:
+                    continue
+                sampled = sampled_all[i]
+                lp: list[float] = []
+                if (
+                    lps is not None
+                    and req.sampling_params is not None
+                    and req.sampling_params.logprobs is not None
+                ):
+                    start = int(lps.cu_num_generated_tokens[i])
+                    lp = lps.logprobs[start : start + len(sampled), 0].tolist()
+                # num_output_tokens = tokens committed before this step = index of drafted[0] in the output
+                self._steps.setdefault(rid, []).append(
+                    (req.num_output_tokens, list(drafted), len(sampled) - 1, lp)
+                )
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for rid in scheduler_output.finished_req_ids:  # aborted without a final output
+            self._steps.pop(rid, None)
+        if self._steps:
+            for eco in outputs.values():
+                for out in eco.outputs:
+                    if out.finish_reason is not None and out.request_id in self._steps:
+                        params = dict(out.kv_transfer_params or {})
+                        params[TRACE_KEY] = self._steps.pop(out.request_id)
+                        out.kv_transfer_params = params
+        return outputs
+
+
+class DraftWeightExtension:
+    """Worker-side methods; `self` is vLLM's worker. Call with `llm.collective_rpc(name, args=...)`."""
+
+    _draft_version: int = 0
+
+    def _draft_module(self) -> Any:
+        model = getattr(getattr(self.model_runner, "drafter", None), "model", None)  # type: ignore[attr-defined]
+        if model is None:
+            raise RuntimeError("this engine has no draft model to update (is speculative decoding on?)")
+        return model
+
+    def draft_version(self) -> int:
+        return self._draft_version
+
+    def draft_param_names(self) -> list[str]:
+        return [name for name, _ in self._draft_module().named_parameters()]
+
+    def load_draft_weights(self, path: str, version: int) -> int:
+        """Replace the draft's weights in place from a safetensors file (checkpoint names, as in the
+        exported folder). A file, not tensors: collective_rpc's serializer does not carry tensors."""
+        import types
+
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        weights = load_file(path)
+        cfg = self.vllm_config  # type: ignore[attr-defined]
+        spec = cfg.speculative_config
+        draft_cfg = types.SimpleNamespace(
+            model_config=spec.draft_model_config,
+            load_config=spec.draft_load_config or cfg.load_config,
+            lora_config=None,
+        )
+        with set_current_vllm_config(cfg):
+            reload_weights(
+                draft_cfg,  # type: ignore[arg-type]  # only model_config / load_config / lora_config are read
+                self._draft_module(),
+                weights_iterator=iter(weights.items()),
+                weights_path=None,
+                is_checkpoint_format=True,
+            )
+        self._draft_version = int(version)
+        return len(weights)

@@ -1,0 +1,64 @@
+"""RolloutWorker: a Ray actor holding one vLLM engine (target + current draft) that turns prompts into
+anchor records, and swaps draft weights between generation rounds.
+
+Ray runs an actor's calls one at a time in submission order, so a `load_draft_weights` submitted while a
+round is generating takes effect after that round and before the next: records never mix versions within
+a round, and each record carries the version that proposed it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+from draft_opd_ray.rollout.records import RequestRecord
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        rank: int,
+        target: str,
+        *,
+        draft_kind: str,
+        draft_path: str | None,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        dtype: str = "float32",
+        kvcache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        cpu_bind: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        if cpu_bind is not None:  # CPU engines: give each worker its own core instead of all binding core 0
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        self.rank = rank
+        self.engine = SpecDecodeEngine(
+            target,
+            draft_kind=draft_kind,
+            draft_path=draft_path,
+            num_speculative_tokens=num_speculative_tokens,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            kvcache_gb=kvcache_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed + rank,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[RequestRecord]:
+        return self.engine.generate(prompts, sampling)
+
+    def load_draft_weights(self, weights: dict[str, Any], version: int) -> int:
+        self.engine.load_draft_weights(weights, version)
+        return version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        return self.engine.spec_config
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
