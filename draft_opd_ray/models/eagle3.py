@@ -355,8 +355,9 @@ class Eagle3Draft(nn.Module):
         valid: torch.Tensor,
     ) -> list[torch.Tensor]:
         """Draft ``steps`` tokens from every anchor n (last committed token; 1 <= n < T) as vLLM does: row n-1 of
-        the step-0 pass, then steps j at position n-1+j consuming ``feed(j, previous logits)`` (B, N) target ids
-        and attending to step-0 keys of rows <= n-1 plus the anchor's own chain. Returns steps x (B, N, Vd)."""
+        the step-0 pass, then steps j at position n-1+j consuming ``feed(j, previous pre-norm output)`` (B, N)
+        target ids and attending to step-0 keys of rows <= n-1 plus the anchor's own chain. Returns steps x
+        (B, N, H) pre-norm outputs (``self.logits`` turns one into draft-vocabulary logits)."""
         T = input_ids.shape[1]
         if bool((anchor_pos < 1).any()) or bool((anchor_pos >= T).any()):
             raise ValueError(f"anchor positions must be in [1, {T}) (the head needs the feature before it)")
@@ -365,15 +366,33 @@ class Eagle3Draft(nn.Module):
         h = torch.gather(h_all, 1, rows[..., None].expand(-1, -1, h_all.shape[-1]))  # (B, N, H)
         keys = torch.arange(T, device=input_ids.device)
         mem_mask = (keys[None, None, :] <= rows[..., None]) & valid[:, None, :]  # (B, N, T)
-        out = [self.logits(h)]
+        out = [h]
         dk: list[torch.Tensor] = []
         dv: list[torch.Tensor] = []
         for j in range(1, steps):
             h, k, v = self._layer(feed(j, out[-1]), h, rows + j, mem_mask, mem, (dk, dv))
             dk.append(k)
             dv.append(v)
-            out.append(self.logits(h))
+            out.append(h)
         return out
+
+    def block_hidden(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        drafted: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Like ``block_logits`` but returns the normed hidden states (B, N, K, H) that feed ``lm_head``, for
+        losses that apply the head chunk by chunk over the vocabulary."""
+        valid = (
+            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        steps = self._unroll(
+            input_ids, features, anchor_pos, drafted.shape[-1], lambda j, _: drafted[..., j - 1], valid
+        )
+        return self.norm(torch.stack(steps, dim=2))
 
     def block_logits(
         self,
@@ -389,13 +408,7 @@ class Eagle3Draft(nn.Module):
         anchor positions n; drafted (B, N, K) drafted target ids y_1..y_K. Returns (B, N, K, Vd) draft logits;
         [..., k-1, :] is q_k, the draft's distribution of y_k given x_{<=n} and y_{<k} (teacher forcing).
         """
-        valid = (
-            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        )
-        steps = self._unroll(
-            input_ids, features, anchor_pos, drafted.shape[-1], lambda j, _: drafted[..., j - 1], valid
-        )
-        return torch.stack(steps, dim=2)
+        return self.lm_head(self.block_hidden(input_ids, features, anchor_pos, drafted, attention_mask))
 
     @torch.no_grad()
     def propose(
@@ -417,8 +430,8 @@ class Eagle3Draft(nn.Module):
         ids: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
 
-        def sample(_: int, logits: torch.Tensor) -> torch.Tensor:
-            full = self.to_target_vocab(logits[:, 0].float())  # (B, V)
+        def sample(_: int, h: torch.Tensor) -> torch.Tensor:
+            full = self.to_target_vocab(self.logits(h)[:, 0].float())  # (B, V)
             if temperature == 0:
                 tok = full.argmax(-1)
                 q = F.one_hot(tok, full.shape[-1]).to(full.dtype)

@@ -1,0 +1,149 @@
+"""Learner: a DeepSpeed engine over the draft that computes the student side of Draft-OPD replay and steps.
+
+One call to `step` is one optimizer step over a global batch of anchors. The objective is normalised by the
+global denominator (DESIGN.md §2.4), computed from the anchors before any forward, so the loss does not
+depend on how the batch is split into micro-batches or data-parallel ranks. Weights for the rollout
+workers come out in the draft's checkpoint names (`rollout_state`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from draft_opd_ray.algo.loss import FullInputs, LossSpec, denominator, objective_terms
+from draft_opd_ray.replay import TeacherItem
+
+
+def _init_single_process_group() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+
+
+def lr_lambda(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
+    warm = max(1, int(total * warmup_ratio))
+    if step < warm:
+        return (step + 1) / warm
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warm) / max(1, total - warm)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Learner:
+    def __init__(
+        self,
+        draft_dir: str,
+        target: str,
+        *,
+        spec: LossSpec,
+        lr: float,
+        betas: Sequence[float],
+        weight_decay: float,
+        warmup_ratio: float,
+        schedule: str,
+        total_steps: int,
+        zero_stage: int,
+        grad_clip: float,
+        num_threads: int | None = None,
+    ) -> None:
+        import deepspeed
+
+        from draft_opd_ray.models.eagle3 import load_eagle3
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        _init_single_process_group()
+        self.target = target
+        self.model = load_eagle3(draft_dir, target)
+        self.spec = spec
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_lambda(s, total_steps, warmup_ratio, schedule)
+        )
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": zero_stage},
+            "gradient_clipping": grad_clip,
+        }
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=opt, lr_scheduler=sched, config=ds_config
+        )
+        self.version = 0
+
+    def step(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
+        K = batch[0].drafted.shape[1]
+        acc = torch.cat([b.accepted for b in batch])
+        valid = torch.cat([b.valid_len for b in batch])
+        global_den = denominator(acc, valid, K, self.spec)
+        if global_den <= 0:
+            return {"skipped": 1.0}
+        total = None
+        sums: dict[str, float] = {}
+        for b in batch:  # one micro-batch per sequence; gradients add up to the whole-batch gradient
+            hidden = self.model.block_hidden(
+                b.input_ids[None], b.features[None], b.anchor_pos[None], b.drafted[None]
+            )[0]
+            mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
+            inputs = FullInputs(
+                hidden=hidden[mask],
+                lm_head=self.model.lm_head.weight,
+                teacher_logits=b.teacher_logprobs[mask],
+            )
+            terms = objective_terms(inputs, b.accepted, b.valid_len, K, self.spec)
+            part = terms.numerator / global_den
+            total = part if total is None else total + part
+            for k, v in terms.metrics.items():
+                if k.startswith("n_") or k in ("rej_weight",):
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        assert total is not None
+        self.engine.backward(total)
+        self.engine.step()
+        self.version += 1
+        return {
+            "loss": float(total),
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "anchors": float(len(acc)),
+            "denominator": global_den,
+            **sums,
+        }
+
+    def rollout_state(self) -> dict[str, torch.Tensor]:
+        """The draft's weights in checkpoint names, without the (frozen, shared) target embedding."""
+        skip = {"embed_tokens.weight"}
+        if self.model.config.draft_vocab_size == self.model.config.vocab_size:
+            skip |= {"d2t", "t2d"}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k not in skip}
+
+    def save(self, out_dir: str) -> str:
+        from draft_opd_ray.models.eagle3 import save_eagle3
+
+        save_eagle3(self.model, out_dir, self.target)
+        return out_dir
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.engine.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+        }
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
