@@ -1,0 +1,142 @@
+"""Single-controller driver: runs the requested stages in Hydra's run directory.
+
+    prepare   target folder (embedded default converted once), draft-vs-target check, prompt sets
+    sft       warm start (or baseline) of the draft                      -> checkpoints/sft/...
+    opd       the Draft-OPD loop on Ray (draft_opd_ray.opd)               -> checkpoints/opd/...
+    eval      τ, per-position acceptance, speed-up, ngram beside it       -> eval/report.{json,md}, plots
+Everything heavy starts only after the config and the data have been checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.metrics import MetricsLogger
+from draft_opd_ray.placement import PlacementPlan
+
+
+def prepare_target(cfg: Config) -> tuple[str, Any]:
+    from transformers import AutoTokenizer
+
+    from draft_opd_ray.config.validate import check_draft_fits_target
+    from draft_opd_ray.models.target import read_target_info, resolve_target_path
+
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    target = resolve_target_path(cfg.target.path, cache)
+    info = read_target_info(target)
+    check_draft_fits_target(cfg, info.num_layers, info.vocab_size)
+    return str(target), (AutoTokenizer.from_pretrained(target), info)
+
+
+def load_prompts(cfg: Config, tokenizer: Any, which: str) -> list[list[int]]:
+    from draft_opd_ray.data.prompts import load_prompt_set
+
+    sub = getattr(cfg.data, which)
+    ps = load_prompt_set(
+        sub,
+        tokenizer,
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
+        key=f"data.{which}",
+    )
+    print(
+        f"[data] {which}: {len(ps.prompts)} prompts from {ps.name} (skipped: {ps.skipped or 'none'})",
+        flush=True,
+    )
+    return [list(p.token_ids) for p in ps.prompts]
+
+
+def initial_draft(cfg: Config, target: str, run_dir: Path) -> str:
+    """A draft to start from when no SFT stage ran and no draft.path was given: a fresh head."""
+    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+
+    if cfg.draft.kind != "eagle3":
+        raise ConfigError(f"draft.path: a {cfg.draft.kind} draft needs draft.path or the sft stage")
+    out = run_dir / "draft_init"
+    save_eagle3(init_eagle3(target, aux_layer_ids=cfg.draft.aux_layer_ids, seed=cfg.seed), out, target)
+    return str(out)
+
+
+def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    target, (tokenizer, info) = prepare_target(cfg)
+    train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
+    held_out = load_prompts(cfg, tokenizer, "eval") if "eval" in cfg.stages else []
+    metrics = MetricsLogger(
+        rd,
+        wandb_mode=cfg.wandb.mode,
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        config=dataclasses.asdict(cfg),
+    )
+    draft = cfg.draft.path
+    try:
+        if "sft" in cfg.stages:
+            from draft_opd_ray.sft import run_sft_stage
+
+            draft = str(run_sft_stage(cfg, target=target, prompts=train, run_dir=rd, metrics=metrics))
+        if "opd" in cfg.stages:
+            import ray
+
+            from draft_opd_ray.opd import run_opd
+
+            if cfg.draft.kind != "eagle3":
+                raise ConfigError(
+                    f"draft.kind: the opd stage trains eagle3 drafts so far, got {cfg.draft.kind!r}"
+                )
+            draft = draft or initial_draft(cfg, target, rd)
+            ray.init(
+                address=cfg.cluster.ray_address,
+                num_cpus=None if cfg.cluster.ray_address else int(cfg.cluster.cpus_per_node),
+                include_dashboard=False,
+                ignore_reinit_error=True,
+            )
+            try:
+                draft = str(
+                    run_opd(
+                        cfg,
+                        plan,
+                        target=target,
+                        draft_dir=draft,
+                        prompts=train,
+                        eos_token_id=info.eos_token_id,
+                        run_dir=rd,
+                        metrics=metrics,
+                    )
+                )
+            finally:
+                ray.shutdown()
+        if "eval" in cfg.stages:
+            from draft_opd_ray.eval.evaluate import evaluate
+
+            report = evaluate(
+                target=target,
+                draft_kind=cfg.draft.kind,
+                draft_path=draft,
+                k=cfg.draft.num_speculative_tokens,
+                datasets={cfg.data.eval.source: held_out},
+                out_dir=rd / "eval",
+                max_new_tokens=cfg.eval.max_new_tokens,
+                eos_token_id=info.eos_token_id,
+                concurrency=cfg.eval.concurrency,
+                baselines=cfg.eval.baselines,
+                max_model_len=cfg.target.max_model_len,
+            )
+            for name, e in report["datasets"].items():
+                metrics.log(
+                    "eval",
+                    0,
+                    dataset=name,
+                    tau=e["tau"],
+                    tau_vllm=e["tau_vllm"],
+                    speedup_c1=e["speedup"].get("1"),
+                )
+            print((rd / "eval" / "report.md").read_text(), flush=True)
+    finally:
+        metrics.close()
+    print(f"[done] run directory: {rd}", flush=True)

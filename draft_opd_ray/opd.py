@@ -1,0 +1,284 @@
+"""The Draft-OPD loop: rollout workers → anchor selection → replay → learner → asynchronous weight broadcast.
+
+Reads top to bottom:
+    start actors in the placement group built from the plan (same plan as `dry_run=true`)
+    keep one generation round in flight on every rollout worker
+    for each step: take the next finished round, drop it if its draft is more than `max_staleness` versions
+        behind the learner, write its records to anchors/, select anchors, replay them on the target, step
+        the learner, publish the new weights (workers swap between rounds), log, checkpoint
+The rollout workers never wait for the learner; the learner waits only for data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.algo.anchors import select_anchors
+from draft_opd_ray.algo.loss import LossSpec
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.metrics import MetricsLogger
+from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
+from draft_opd_ray.replay import ReplayItem
+from draft_opd_ray.rollout.engine import Sampling
+from draft_opd_ray.rollout.records import RequestRecord, tau, write_parquet
+from draft_opd_ray.weight_sync import ObjectStoreWeightSync
+
+
+def loss_spec(cfg: Config) -> LossSpec:
+    c = cfg.loss
+    return LossSpec(
+        gamma=c.gamma,
+        lambda_acc=c.lambda_acc,
+        lambda_rej=c.lambda_rej,
+        rejected_scope=c.rejected_scope,
+        estimator=c.estimator,
+        directions=c.directions,
+        clamp=c.logprob_clamp,
+        vocab_chunk=c.vocab_chunk,
+    )
+
+
+def start_actors(
+    cfg: Config, plan: PlacementPlan, target: str, draft_dir: str, total_steps: int
+) -> dict[str, Any]:
+    """Placement group with one bundle per actor (in plan order), then the actors in their bundles."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from draft_opd_ray.learner import Learner
+    from draft_opd_ray.models.eagle3 import load_eagle3
+    from draft_opd_ray.replay import ReplayActor
+    from draft_opd_ray.rollout.worker import RolloutWorker
+
+    slots = [s for s in plan.slots if s.role != DRIVER]
+    bundles = [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready())
+    index = {(s.role, s.index): i for i, s in enumerate(slots)}
+
+    def opts(role: str, rank: int) -> dict[str, Any]:
+        s = slots[index[(role, rank)]]
+        return {
+            "num_cpus": s.cpus,
+            "num_gpus": len(s.gpus),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=index[(role, rank)]
+            ),
+        }
+
+    cpu = cfg.cluster.gpus_per_node == 0
+    ncores = os.cpu_count() or 1
+    workers = [
+        ray.remote(RolloutWorker)
+        .options(**opts(ROLLOUT, s.index))
+        .remote(
+            s.index,
+            target,
+            draft_kind=cfg.draft.kind,
+            draft_path=draft_dir,
+            num_speculative_tokens=cfg.draft.num_speculative_tokens,
+            max_model_len=cfg.target.max_model_len,
+            dtype=cfg.target.dtype,
+            kvcache_gb=cfg.rollout.kvcache_gb,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            cpu_bind=str(s.index % ncores) if cpu else None,
+            seed=cfg.seed,
+        )
+        for s in plan.of(ROLLOUT)
+    ]
+    head = load_eagle3(draft_dir, target)
+    draft_ids = (
+        head.draft_ids_in_target.tolist() if head.config.draft_vocab_size < head.config.vocab_size else None
+    )
+    replay = (
+        ray.remote(ReplayActor)
+        .options(**opts(REPLAY, 0))
+        .remote(
+            target,
+            aux_layer_ids=list(head.config.aux_layer_ids),
+            draft_ids=draft_ids,
+            k=cfg.draft.num_speculative_tokens,
+            num_threads=1 if cpu else None,
+        )
+    )
+    o = cfg.optim
+    learner = (
+        ray.remote(Learner)
+        .options(**opts(LEARNER, 0))
+        .remote(
+            draft_dir,
+            target,
+            spec=loss_spec(cfg),
+            lr=o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
+            warmup_ratio=o.warmup_ratio,
+            schedule=o.schedule,
+            total_steps=total_steps,
+            zero_stage=cfg.learner.zero_stage,
+            grad_clip=o.grad_clip,
+            num_threads=1 if cpu else None,
+        )
+    )
+    return {"workers": workers, "replay": replay, "learner": learner, "pg": pg}
+
+
+def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> list[ReplayItem]:
+    a = cfg.anchor
+    anchors = select_anchors(
+        records,
+        policy=a.policy,
+        max_per_sequence=a.max_per_sequence,
+        max_per_step=min(a.max_per_step, cfg.opd.anchors_per_step),
+        seed=seed,
+    )
+    items = []
+    for q, group in itertools.groupby(anchors, key=lambda x: x.request):
+        group_l = [g for g in group if g.drafted]  # recorded replay: random positions need redraft
+        if not group_l:
+            continue
+        r = records[q]
+        items.append(
+            ReplayItem(
+                r.prompt_ids + r.response_ids,
+                [g.pos for g in group_l],
+                [list(g.drafted) for g in group_l],
+                [g.accepted for g in group_l],
+                group_l[0].policy_version,
+            )
+        )
+    return items
+
+
+def save_checkpoint(run_dir: Path, step: int, learner: Any, target: str) -> Path:
+    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, written to a temp dir then renamed; then `latest`."""
+    import ray
+    import torch
+
+    root = run_dir / "checkpoints" / "opd"
+    final = root / f"step_{step}"
+    tmp = root / f".step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ray.get(learner.save.remote(str(tmp / "draft")))
+    torch.save({"step": step, **ray.get(learner.optimizer_state.remote())}, tmp / "training_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / "latest.tmp"
+    pointer.write_text(f"step_{step}\n")
+    os.replace(pointer, root / "latest")
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    p = run_dir / "checkpoints" / "opd" / "latest"
+    return (p.parent / p.read_text().strip()) if p.is_file() else None
+
+
+def run_opd(
+    cfg: Config,
+    plan: PlacementPlan,
+    *,
+    target: str,
+    draft_dir: str,
+    prompts: Sequence[list[int]],
+    eos_token_id: int | None,
+    run_dir: Path,
+    metrics: MetricsLogger,
+) -> Path:
+    import ray
+    import torch
+    from tqdm import tqdm
+
+    start_step = 0
+    resume = latest_checkpoint(run_dir) if cfg.resume else None
+    if resume is not None:
+        draft_dir = str(resume / "draft")
+        start_step = int(torch.load(resume / "training_state.pt", weights_only=False)["step"])
+    actors = start_actors(cfg, plan, target, draft_dir, cfg.opd.steps)
+    workers, replay, learner = actors["workers"], actors["replay"], actors["learner"]
+    if resume is not None:
+        ray.get(
+            learner.load_optimizer_state.remote(torch.load(resume / "training_state.pt", weights_only=False))
+        )
+    sync = ObjectStoreWeightSync(workers)
+    sync.version = start_step
+    sampling = Sampling(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.seed,
+        stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
+    )
+    n = cfg.rollout.prompts_per_round
+    feed = itertools.cycle(range(0, max(1, len(prompts)), n))
+    inflight = {w.generate.remote(list(prompts[i : i + n]), sampling): w for w, i in zip(workers, feed)}
+    version, dropped, last = start_step, 0, draft_dir
+    bar = tqdm(range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps)
+    for step in bar:
+        t0 = time.time()
+        while True:
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            worker = inflight.pop(ready[0])
+            records: list[RequestRecord] = [r for r in ray.get(ready[0]) if not r.error and r.num_steps]
+            i = next(feed)
+            inflight[worker.generate.remote(list(prompts[i : i + n]), sampling)] = worker  # keep it busy
+            behind = version - min((min(r.policy_version) for r in records), default=version)
+            if behind <= cfg.async_.max_staleness:
+                break
+            dropped += 1
+        t_roll = time.time() - t0
+        write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
+        items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
+        if not items:
+            metrics.log("opd", step, tau=tau(records), skipped="no anchors")
+            continue
+        teacher = ray.get(replay.score.remote(items))
+        out = ray.get(learner.step.remote(teacher))
+        version += 1
+        sync.publish(version, ray.get(learner.rollout_state.remote()))
+        row = metrics.log(
+            "opd",
+            step + 1,
+            **out,
+            tau=tau(records),
+            policy_version=version,
+            staleness=behind,
+            dropped_stale=dropped,
+            rollout_wait_s=round(t_roll, 2),
+            step_s=round(time.time() - t0, 2),
+            replay_accept_agree=_agreement(teacher),
+        )
+        bar.set_postfix(loss=f"{out.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
+        if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
+            last = str(save_checkpoint(run_dir, step + 1, learner, target) / "draft")
+    sync.wait()
+    for w in workers:
+        ray.get(w.shutdown.remote())
+    return Path(last)
+
+
+def _agreement(teacher: Sequence[Any]) -> float:
+    """Share of anchors whose greedy acceptance under replay equals the recorded one (HF vs vLLM numerics)."""
+    pairs = [(int(a), int(b)) for t in teacher for a, b in zip(t.accepted, t.replay_accepted)]
+    return sum(a == b for a, b in pairs) / max(1, len(pairs))
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    from draft_opd_ray.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["stage"] == "opd" and "loss" in r]
+    return {
+        "steps": len(rows),
+        "first_tau": rows[0]["tau"] if rows else None,
+        "last_tau": rows[-1]["tau"] if rows else None,
+        "json": json.dumps(rows[-1] if rows else {}),
+    }
