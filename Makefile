@@ -31,6 +31,12 @@ test-fast: setup
 test-slow: setup
 	bash scripts/pytest.sh -m slow
 
+# Benchmarks P0-P7 (DESIGN.md §7): slow, meant for a quiet machine; results go to docs/benchmarks.md.
+bench: setup
+	$(PY) bench/bench_loss_memory.py
+	$(PY) bench/bench_rollout.py
+	$(PY) bench/bench_weight_sync.py
+
 dry-run: setup
 	$(PY) -m draft_opd_ray.main +cluster=8xA100 dry_run=true
 
