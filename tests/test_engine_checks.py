@@ -1,0 +1,54 @@
+"""Start-up checks of the vLLM rollout engine that fail before any engine starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draft_opd_ray.errors import ConfigError, ModelError
+from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, speculative_config
+
+
+def _folder(path: Path, **cfg: object) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_draft_target_vocabulary_mismatch_is_rejected(tmp_path: Path) -> None:
+    target = _folder(tmp_path / "t", vocab_size=49152)
+    draft = _folder(tmp_path / "d", vocab_size=32000)
+    with pytest.raises(ModelError, match="draft vocabulary 32000 differs from the target's 49152"):
+        SpecDecodeEngine(target, draft_kind="standalone", draft_path=draft, num_speculative_tokens=4)
+    big = _folder(tmp_path / "e", vocab_size=49152, draft_vocab_size=60000)
+    with pytest.raises(ModelError, match="draft_vocab_size 60000 exceeds the target's 49152"):
+        SpecDecodeEngine(target, draft_kind="eagle3", draft_path=big, num_speculative_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "sampling,msg",
+    [
+        (Sampling(temperature=-0.5), "sampling.temperature: must be >= 0"),
+        (Sampling(top_p=0.0), r"sampling.top_p: must be in \(0, 1\]"),
+        (Sampling(max_new_tokens=0), "sampling.max_new_tokens: must be >= 1"),
+    ],
+)
+def test_invalid_sampling_settings(sampling: Sampling, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        sampling.check()
+
+
+def test_speculative_config_spelling() -> None:
+    assert speculative_config("eagle3", "d", 4) == {
+        "method": "eagle3",
+        "model": "d",
+        "num_speculative_tokens": 4,
+    }
+    assert speculative_config("standalone", "d", 3)["method"] == "draft_model"
+    assert speculative_config("dflash", "d", 7)["method"] == "dflash"
+    assert speculative_config("ngram", None, 4)["method"] == "ngram"
+    assert speculative_config("none", None, 4) is None
+    with pytest.raises(ConfigError, match="draft.path: a eagle3 draft needs a folder"):
+        speculative_config("eagle3", None, 4)
