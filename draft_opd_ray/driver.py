@@ -77,7 +77,7 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     draft = cfg.draft.path
     try:
         if "sft" in cfg.stages:
-            from draft_opd_ray.sft import run_sft_stage
+            from draft_opd_ray.sft.stage import run_sft_stage
 
             draft = str(run_sft_stage(cfg, target=target, prompts=train, run_dir=rd, metrics=metrics))
         if "opd" in cfg.stages:

@@ -29,7 +29,7 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(
-                mode=wandb_mode,
+                mode=wandb_mode,  # type: ignore[arg-type]
                 project=project,
                 entity=entity,
                 dir=str(run_dir),

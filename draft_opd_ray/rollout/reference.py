@@ -12,13 +12,20 @@ so the output equals the target's greedy output, or is distributed as the target
 Requests are batched: the target scores all active requests in one right-padded forward (no KV cache:
 the sequences here are short, and recomputation keeps padding and acceptance bookkeeping trivially
 correct). Produces the same `RequestRecord`s as the vLLM rollout worker.
+
+Drafters that condition on target hidden states (EAGLE-3, DFlash: `FeatureDrafter`, built in
+draft_opd_ray.rollout.drafters) get them from the verification pass itself, as vLLM does: after a step
+that accepted a tokens the pass over prefix + y_1..y_K holds exact states for every committed position
+but the last (the correction/bonus token, which no forward has consumed yet). So the drafter always sees
+the states of positions 0..len(seq)-2, from the prefill for the first step and from the previous
+verification afterwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -34,15 +41,52 @@ class Drafter(Protocol):
         ...
 
 
-def padded_logits(model: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int = 0) -> torch.Tensor:
-    """Logits of a causal LM over right-padded sequences: (B, Lmax, V) in float32."""
-    lens = [len(s) for s in seqs]
-    L = max(lens)
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A drafter conditioned on target hidden states. The engine hands it, per sequence, the concatenated HF
+    ``output_hidden_states[i]`` for i in ``hidden_state_indices`` at positions 0..len(seq)-2: (len(seq)-1, F).
+    Without ``features`` it must compute them itself (one target forward)."""
+
+    hidden_state_indices: tuple[int, ...]
+
+    def propose(
+        self,
+        seqs: Sequence[list[int]],
+        k: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        features: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[list[int]], torch.Tensor]: ...
+
+
+def right_pad(seqs: Sequence[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, Lmax) and their attention mask (B, Lmax) (1 = real token)."""
+    L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), L), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def padded_forward(
+    model: torch.nn.Module, seqs: Sequence[list[int]], hidden_state_indices: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits (B, Lmax, V) in float32 of a causal LM over right-padded sequences, and, when
+    ``hidden_state_indices`` is non-empty, the concatenation of those HF ``hidden_states`` entries
+    (B, Lmax, F) (padded rows are garbage)."""
+    ids, mask = right_pad(seqs)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(hidden_state_indices))
+    if not hidden_state_indices:
+        return out.logits.float(), None
+    feats = torch.cat([out.hidden_states[i] for i in hidden_state_indices], dim=-1)
+    return out.logits.float(), feats
+
+
+def padded_logits(model: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int = 0) -> torch.Tensor:
+    """Logits of a causal LM over right-padded sequences: (B, Lmax, V) in float32."""
+    ids, mask = right_pad(seqs, pad_id)
     return model(input_ids=ids, attention_mask=mask).logits.float()
 
 
@@ -133,18 +177,27 @@ def speculative_generate(
     recs = [
         RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)
     ]
+    indices = tuple(drafter.hidden_state_indices) if isinstance(drafter, FeatureDrafter) else ()
     # Prefill: the first response token comes from the target alone and belongs to no step.
-    logits = padded_logits(target, [r.prompt_ids for r in recs])
+    logits, feats = padded_forward(target, [r.prompt_ids for r in recs], indices)
+    # features of positions 0..len(seq)-2 per request (FeatureDrafter only), refreshed by every verification
+    ctx: list[torch.Tensor] = [torch.empty(0)] * len(recs)
     for i, r in enumerate(recs):
         p0 = _probs(logits[i, len(r.prompt_ids) - 1], temperature)
         tok = int(p0.argmax()) if temperature == 0 else int(torch.multinomial(p0, 1, generator=gen))
         r.response_ids.append(tok)
-    active = [r for r in recs if not _finished(r, max_new_tokens, eos_token_id)]
+        if feats is not None:
+            ctx[i] = feats[i, : len(r.prompt_ids)].clone()
+    active = [i for i, r in enumerate(recs) if not _finished(r, max_new_tokens, eos_token_id)]
     while active:
-        seqs = [r.prompt_ids + r.response_ids for r in active]
-        drafted, q = drafter.propose(seqs, k, temperature, gen)
-        logits = padded_logits(target, [s + d for s, d in zip(seqs, drafted)])
-        for i, (r, s, d) in enumerate(zip(active, seqs, drafted)):
+        seqs = [recs[j].prompt_ids + recs[j].response_ids for j in active]
+        if isinstance(drafter, FeatureDrafter):
+            drafted, q = drafter.propose(seqs, k, temperature, gen, features=[ctx[j] for j in active])
+        else:
+            drafted, q = drafter.propose(seqs, k, temperature, gen)
+        logits, feats = padded_forward(target, [s + d for s, d in zip(seqs, drafted)], indices)
+        for i, (j, s, d) in enumerate(zip(active, seqs, drafted)):
+            r = recs[j]
             p = _probs(logits[i, len(s) - 1 : len(s) + len(d)], temperature) if temperature else None
             if p is None:  # greedy: keep real probabilities for the teacher log-probs
                 real = torch.softmax(logits[i, len(s) - 1 : len(s) + len(d)], dim=-1)
@@ -157,8 +210,10 @@ def speculative_generate(
             r.policy_version.append(policy_version)
             r.teacher_logprob_drafted.append(res.teacher_logprob_drafted)
             r.response_ids.extend(res.emitted)
+            if feats is not None:  # exact for s + y_1..y_a; the correction/bonus token has no state yet
+                ctx[j] = feats[i, : len(s) + res.accepted].clone()
             _truncate(r, max_new_tokens, eos_token_id)
-        active = [r for r in active if not _finished(r, max_new_tokens, eos_token_id)]
+        active = [j for j in active if not _finished(recs[j], max_new_tokens, eos_token_id)]
     return recs
 
 

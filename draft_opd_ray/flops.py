@@ -1,0 +1,66 @@
+"""FLOPs accounting so that training methods can be compared at matched compute.
+
+Counts are matrix-multiply FLOPs as executed (2 per multiply-add; padding and masked attention entries
+included, because the kernels compute them), which is what ``torch.utils.flop_counter.FlopCounterMode`` counts
+(tests/test_flops.py checks the formulas against it). Elementwise work (norms, softmax, rotary) is ignored.
+
+* A linear layer with P weights over T tokens: forward 2PT; backward 2PT for the input gradient (skipped when
+  its input needs no gradient) + 2PT for the weight gradient (skipped when frozen). So a trained layer in the
+  middle of the network costs the familiar 6PT, a frozen LM head 4PT, the EAGLE-3 ``fc`` (its input, the target
+  features, needs no gradient) 4PT.
+* Attention over S keys: 4·heads·head_dim·S per query forward (QKᵀ and AV), twice that backward.
+* A target forward: 2·(non-embedding parameters + LM head)·T plus its attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draft_opd_ray.models.eagle3 import Eagle3Config
+from draft_opd_ray.models.target import TargetInfo
+
+
+@dataclass(frozen=True)
+class Flops:
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def eagle3_train_flops(
+    c: Eagle3Config, batch: int, seq_len: int, ttt_steps: int, *, lm_head_trainable: bool = False
+) -> Flops:
+    """One TTT forward + backward of :class:`~draft_opd_ray.models.eagle3.Eagle3Draft` on a (batch, seq_len)
+    batch. Each of the ``ttt_steps`` passes runs the decoder layer and the LM head over every row; step 0 also
+    runs ``fc``; every pass's queries attend to all seq_len step-0 keys (plus diagonal keys, elementwise)."""
+    rows = batch * seq_len
+    H, A = c.hidden_size, len(c.aux_layer_ids)
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer_p = 2 * H * (q_out + 2 * kv_out) + q_out * H + 3 * H * c.intermediate_size
+    head_p = H * c.draft_vocab_size
+    fc_p = A * c.target_hidden_size * H
+    attn = 4 * c.num_attention_heads * c.head_dim * seq_len  # per query row, forward
+    fwd_step = 2 * (layer_p + head_p) + attn
+    fwd = rows * (ttt_steps * fwd_step + 2 * fc_p)
+    head_bwd = (4 if lm_head_trainable else 2) * head_p
+    bwd_step = 4 * layer_p + head_bwd + 2 * attn
+    bwd = rows * (ttt_steps * bwd_step + 2 * fc_p)
+    return Flops(float(fwd), float(bwd))
+
+
+def target_forward_flops(t: TargetInfo, batch: int, seq_len: int, *, lm_head: bool = True) -> float:
+    """One forward of a Llama-style target over a (batch, seq_len) batch (full, unmasked attention matmuls)."""
+    H = t.hidden_size
+    heads = t.num_attention_heads or 1
+    d = t.head_dim or H // heads
+    kv = t.num_key_value_heads or heads
+    inter = t.intermediate_size or 4 * H
+    layer_p = H * (heads * d + 2 * kv * d) + heads * d * H + 3 * H * inter
+    rows = batch * seq_len
+    per_row = t.num_layers * (2 * layer_p + 4 * heads * d * seq_len) + (
+        2 * H * t.vocab_size if lm_head else 0
+    )
+    return float(rows * per_row)

@@ -1,0 +1,120 @@
+"""Target trajectories for SFT: prompt -> greedy target response, generated offline with vLLM and cached.
+
+The cache folder is keyed by (target weights, prompt token ids, generation settings): a later run with the
+same inputs reuses it. Generation runs in chunks, each written as its own Parquet part (``prompt_ids``,
+``response_ids``), so a killed run resumes where it stopped; ``trajectories.parquet`` is written last.
+Run inside a ``__main__``-guarded process (vLLM spawns its engine core).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+FINAL = "trajectories.parquet"
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def _target_fingerprint(target: Path) -> str:
+    """Config plus weight-file sizes/mtimes: cheap and changes whenever the target does."""
+    h = hashlib.sha256((target / "config.json").read_bytes())
+    for f in sorted(target.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_key(
+    target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int]
+) -> str:
+    h = hashlib.sha256()
+    h.update(_target_fingerprint(target).encode())
+    h.update(json.dumps({"max_new_tokens": max_new_tokens, "stop": list(stop), "temperature": 0}).encode())
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()[:20]
+
+
+def _write(path: Path, rows: Sequence[Trajectory]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "prompt_ids": pa.array([r.prompt_ids for r in rows], pa.list_(pa.int32())),
+            "response_ids": pa.array([r.response_ids for r in rows], pa.list_(pa.int32())),
+        }
+    )
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def read_trajectories(path: str | os.PathLike[str]) -> list[Trajectory]:
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path).to_pydict()
+    return [Trajectory(list(p), list(r)) for p, r in zip(t["prompt_ids"], t["response_ids"])]
+
+
+def generate_trajectories(
+    target: str | os.PathLike[str],
+    prompts: Sequence[Sequence[int]],
+    cache_dir: str | os.PathLike[str],
+    *,
+    max_new_tokens: int = 256,
+    stop_token_ids: Sequence[int] = (2,),
+    max_model_len: int = 2048,
+    chunk: int = 128,
+    kvcache_gb: float = 2.0,
+) -> Path:
+    """Greedy target responses for ``prompts`` (token ids); returns the cached ``trajectories.parquet``."""
+    target = Path(target)
+    folder = Path(cache_dir) / "sft_trajectories" / cache_key(target, prompts, max_new_tokens, stop_token_ids)
+    final = folder / FINAL
+    if final.is_file():
+        log.info("reusing cached trajectories %s", final)
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [folder / f"part_{i:05d}.parquet" for i in range(0, len(prompts), chunk)]
+    todo = [i for i, p in enumerate(parts) if not p.is_file()]
+    if todo:
+        from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+
+        engine = SpecDecodeEngine(
+            target,
+            draft_kind="none",
+            draft_path=None,
+            num_speculative_tokens=1,
+            max_model_len=max_model_len,
+            kvcache_gb=kvcache_gb,
+        )
+        sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+        try:
+            bar = tqdm(total=len(prompts), initial=(len(parts) - len(todo)) * chunk, desc="trajectories")
+            for i in todo:
+                batch = prompts[i * chunk : (i + 1) * chunk]
+                recs = engine.generate(batch, sampling)
+                _write(parts[i], [Trajectory(r.prompt_ids, r.response_ids) for r in recs if not r.error])
+                bar.update(len(batch))
+                bar.set_postfix(tokens=sum(len(r.response_ids) for r in recs))
+            bar.close()
+        finally:
+            engine.shutdown()
+    rows = [t for p in parts for t in read_trajectories(p)]
+    _write(final, rows)
+    return final

@@ -1,0 +1,81 @@
+"""The `sft` stage of a run: target trajectories (cached) → EAGLE-3 SFT → exported draft.
+
+A finished warm start is cached under `<cache>/warm_starts/<key>/draft`, keyed by the target, the prompts and
+the SFT/draft settings, so later runs with the same settings reuse it (`sft.reuse=false` retrains).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.errors import ConfigError
+
+
+def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
+    h = hashlib.sha256()
+    h.update(
+        json.dumps(
+            [
+                target,
+                dataclasses.asdict(cfg.sft),
+                dataclasses.asdict(cfg.draft),
+                dataclasses.asdict(cfg.optim),
+                cfg.learner.dtype,
+                cfg.seed,
+            ],
+            sort_keys=True,
+        ).encode()
+    )
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()[:16]
+
+
+def run_sft_stage(
+    cfg: Config, *, target: str, prompts: Sequence[list[int]], run_dir: Path, metrics: Any
+) -> Path:
+    from draft_opd_ray.models.target import default_cache_dir
+    from draft_opd_ray.sft.data import generate_trajectories
+    from draft_opd_ray.sft.trainer import run_sft
+
+    if cfg.draft.kind != "eagle3":
+        raise ConfigError(f"draft.kind: the sft stage trains eagle3 drafts so far, got {cfg.draft.kind!r}")
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    prompts = list(prompts)[: cfg.sft.num_prompts]
+    warm = cache / "warm_starts" / _key(cfg, target, prompts) / "draft"
+    if cfg.sft.reuse and (warm / "config.json").is_file():
+        print(f"[sft] reusing warm start {warm}", flush=True)
+        return warm
+    traj = generate_trajectories(
+        target,
+        prompts,
+        cache,
+        max_new_tokens=cfg.sft.max_new_tokens,
+        max_model_len=cfg.target.max_model_len,
+        kvcache_gb=cfg.rollout.kvcache_gb,
+    )
+    draft = run_sft(
+        target,
+        traj,
+        run_dir,
+        sft=cfg.sft,
+        draft=cfg.draft,
+        optim=cfg.optim,
+        learner=cfg.learner,
+        cache_dir=cache,
+        resume=cfg.resume,
+        seed=cfg.seed,
+        metrics=lambda m: metrics.log("sft", int(m.get("step", 0)), **m),
+    )
+    tmp = warm.parent / ".draft.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(draft, tmp)
+    tmp.replace(warm)
+    return Path(draft)

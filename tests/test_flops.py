@@ -1,0 +1,76 @@
+"""FLOPs formulas against a brute-force count (torch's FlopCounterMode) on tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from draft_opd_ray.flops import eagle3_train_flops, target_forward_flops
+from draft_opd_ray.models.eagle3 import Eagle3Config, Eagle3Draft
+from draft_opd_ray.models.target import ensure_embedded_target, read_target_info
+from draft_opd_ray.models.tiny import build_tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One torch thread: on a shared 2-core box OpenMP hand-offs cost more than the math."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+CFG = Eagle3Config(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=300,
+    draft_vocab_size=120,
+    aux_layer_ids=(1, 2, 3),
+)
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 3])
+@pytest.mark.parametrize("lm_head_trainable", [False, True])
+def test_eagle3_train_flops_match_flop_counter(ttt_steps: int, lm_head_trainable: bool) -> None:
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG)
+    model.lm_head.weight.requires_grad_(lm_head_trainable)
+    B, T = 2, 10
+    ids = torch.randint(0, CFG.vocab_size, (B, T))
+    feats = torch.randn(B, T, 3 * CFG.hidden_size)
+    with FlopCounterMode(display=False) as fwd:
+        out = model(ids, feats, ttt_steps=ttt_steps)
+    loss = sum(o.float().pow(2).mean() for o in out)
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()  # type: ignore[union-attr]
+    want = eagle3_train_flops(CFG, B, T, ttt_steps, lm_head_trainable=lm_head_trainable)
+    assert fwd.get_total_flops() == want.forward
+    assert bwd.get_total_flops() == want.backward
+
+
+def test_target_forward_flops_match_flop_counter(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tiny = build_tiny_target(tmp_path / "tiny", tokenizer_from=ensure_embedded_target(), head_dim=32)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.randint(3, 1000, (2, 12))
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(input_ids=ids)
+    want = target_forward_flops(read_target_info(tiny), 2, 12)
+    assert fc.get_total_flops() == pytest.approx(want, rel=0.01)
+
+
+def test_six_p_t_rule_of_thumb() -> None:
+    """Without attention and fc, a trained layer + frozen head is (6 P_layer + 4 P_head) per token-step."""
+    c = Eagle3Config(**{**CFG.__dict__, "aux_layer_ids": (1,)})
+    f = eagle3_train_flops(c, 1, 1, 1)
+    H = c.hidden_size
+    layer_p = 2 * H * (64 + 2 * 32) + 64 * H + 3 * H * c.intermediate_size
+    attn = 4 * 4 * 16 * 1
+    assert f.total == 6 * layer_p + 4 * H * c.draft_vocab_size + 3 * attn + 4 * H * H

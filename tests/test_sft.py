@@ -1,0 +1,121 @@
+"""EAGLE-3 SFT recipe on a tiny random target: target init reproduces the target's layer, DeepSpeed training
+lowers the loss on a repeated batch, checkpoints are atomic and resume where they stopped, features match."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
+from draft_opd_ray.models.eagle3 import init_eagle3, load_eagle3
+from draft_opd_ray.models.target import ensure_embedded_target
+from draft_opd_ray.models.tiny import build_tiny_target
+from draft_opd_ray.sft.data import Trajectory, _write, read_trajectories
+from draft_opd_ray.sft.features import load_hf_target, target_features
+from draft_opd_ray.sft.trainer import init_from_target, lr_factor, run_sft
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One torch thread: on a shared 2-core box OpenMP hand-offs cost more than the math."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("t") / "tiny", tokenizer_from=ensure_embedded_target())
+
+
+@pytest.fixture(scope="module")
+def trajectories(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        Trajectory(
+            torch.randint(3, 300, (8,), generator=g).tolist(),
+            torch.randint(3, 300, (24,), generator=g).tolist(),
+        )
+        for _ in range(2)
+    ]
+    path = tmp_path_factory.mktemp("d") / "traj.parquet"
+    _write(path, rows)
+    return path
+
+
+def _run(tiny: Path, traj: Path, run_dir: Path, steps: int, resume: bool = False) -> tuple[Path, list[dict]]:
+    rec: list[dict] = []
+    out = run_sft(
+        tiny,
+        traj,
+        run_dir,
+        sft=SFTConfig(epochs=50, batch_tokens=4096, lr=3e-3, time_budget_min=5),
+        draft=DraftConfig(draft_vocab_size=256, ttt_steps=3),
+        optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
+        learner=LearnerConfig(zero_stage=0, dtype="float32"),
+        cache_dir=run_dir.parent / "cache",
+        max_steps=steps,
+        resume=resume,
+        metrics=rec.append,
+        progress=False,
+    )
+    return out, rec
+
+
+def test_trajectory_parquet_round_trip(trajectories: Path) -> None:
+    rows = read_trajectories(trajectories)
+    assert len(rows) == 2 and len(rows[0].prompt_ids) == 8 and len(rows[0].response_ids) == 24
+
+
+def test_target_init_reproduces_the_target_layer(tiny: Path) -> None:
+    """Step 0 of a target-initialised head = the target's hidden state after the high aux layer."""
+    hf = load_hf_target(tiny, torch.float32)
+    model = init_eagle3(tiny)
+    init_from_target(model, tiny)
+    ids = torch.randint(3, 300, (1, 12))
+    hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i] for i in model.config.aux_layer_ids], -1)
+    h = model(ids, feats, ttt_steps=1)[0]  # logits of step 0
+    hi = model.config.aux_layer_ids[-1]
+    want = model.lm_head(model.norm(hs[hi + 1]))
+    torch.testing.assert_close(h, want, atol=5e-3, rtol=5e-3)
+
+
+def test_features_topk_renormalised(tiny: Path) -> None:
+    hf = load_hf_target(tiny, torch.float32)
+    draft_ids = torch.arange(0, 512, 2)
+    (f, idx, p, top1), _ = target_features(hf, [[5, 6, 7, 8], [9, 10]], (1, 2), draft_ids, topk=4)
+    assert f.shape == (4, 2 * hf.config.hidden_size) and idx.shape == p.shape == (4, 4) and top1.shape == (4,)
+    torch.testing.assert_close(p.sum(-1), torch.ones(4))
+    assert int(idx.max()) < draft_ids.numel()
+
+
+def test_lr_schedule() -> None:
+    assert lr_factor(0.0, 0.1, "cosine") < 0.01 and lr_factor(0.1, 0.1, "cosine") == pytest.approx(1.0)
+    assert lr_factor(1.0, 0.1, "cosine") == pytest.approx(0.1) and lr_factor(0.5, 0.0, "constant") == 1.0
+
+
+def test_deepspeed_sft_lowers_loss_and_resumes(tiny: Path, trajectories: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out, rec = _run(tiny, trajectories, run_dir, steps=3)
+    losses = [r["loss"] for r in rec if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert {"acc_0", "acc_2", "tokens_per_s", "flops_draft", "flops_target"} <= set(rec[0])
+    root = run_dir / "checkpoints" / "sft"
+    assert (root / "latest").read_text().strip() == "step_3" and out == root / "step_3" / "draft"
+    assert not list(root.glob(".tmp-*"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 256
+    saved = load_eagle3(out, tiny)
+    # resume: continues from step 3 with the saved weights and optimizer state
+    out2, rec2 = _run(tiny, trajectories, run_dir, steps=5, resume=True)
+    steps = [r["step"] for r in rec2 if "loss" in r]
+    assert steps == [4, 5] and (root / "latest").read_text().strip() == "step_5"
+    assert rec2[0]["loss"] < losses[0]  # not a fresh start
+    assert rec2[0]["flops_draft"] > rec[-2]["flops_draft"]  # FLOPs carried over
+    resumed = load_eagle3(out2, tiny)
+    assert not torch.equal(saved.fc.weight, resumed.fc.weight)
