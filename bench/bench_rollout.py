@@ -12,13 +12,14 @@ the shared cores hits both. Each repetition is one `llm.generate` of all prompts
 prompts x max_new_tokens tokens each time; `Sampling` has no ignore_eos, so the bench builds vLLM's
 SamplingParams itself) followed by the engine's own record parsing (`SpecDecodeEngine._fill`), exactly what
 `SpecDecodeEngine.generate` does. Throughput = generated tokens / wall seconds of that call.
-Which engine is created first matters on this box: with the recording engine created first it ran a steady ~5%
-faster than the plain one (10 of 10 pairs), identical vLLM configs otherwise. So by default (`--orders both`) the
-bench runs two phases with fresh engines, one per creation order, and the headline is the geometric mean over the
-two orders of the median per-pair ratio (recording / plain), which cancels an order effect that multiplies.
+The engine created first could run faster for reasons unrelated to recording (memory placement, which
+process got which pages), so by default (`--orders both`) the bench runs two phases with fresh engines, one per
+creation order, and the headline is the geometric mean over the two orders of the median per-pair ratio
+(recording / plain), which cancels an order effect that multiplies. Equal work is checked: every call must
+produce prompts x max_new_tokens tokens, and the vLLM verification steps of both engines are printed.
 Also reported per order: mean, sd, min, max of the per-pair ratio, and the same ratio of tokens per CPU-second
-(user + system time of the driver and of that engine's own processes, EngineCore and its worker), which
-contention for the cores disturbs much less than wall time.
+(user + system time of the driver and of that engine's own processes, EngineCore and its worker): a second view
+that being descheduled does not count against (cache and memory-bandwidth contention still do).
 
 P2: tau from the anchor records (`records.tau`) / tau from vLLM's per-request counters (`records.tau_vllm`) over
 every timed repetition of the recording engine (same requests, same run), plus how many requests match exactly
@@ -44,8 +45,10 @@ def _sd(xs: list[float]) -> float:
 
 
 def _stats(xs: list[float]) -> str:
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"mean {statistics.fmean(xs):.4f} sd {sd:.4f} min {min(xs):.4f} max {max(xs):.4f} (n={len(xs)})"
+    return (
+        f"median {statistics.median(xs):.4f} mean {statistics.fmean(xs):.4f} sd {_sd(xs):.4f} "
+        f"min {min(xs):.4f} max {max(xs):.4f} (n={len(xs)})"
+    )
 
 
 def _cpu_seconds(procs) -> float:
@@ -201,6 +204,7 @@ def main() -> None:
         ratios: dict[str, list[float]] = {}  # creation order -> per-pair wall-throughput ratios
         cpu_ratios: dict[str, list[float]] = {}
         all_recs = []
+        steps_per_call: dict[str, set[int]] = {"record": set(), "plain": set()}
         for first in starts[args.orders]:
             names = (first, "plain" if first == "record" else "record")
             phase = f"{first}-first"
@@ -230,6 +234,7 @@ def main() -> None:
                         got[name], got_cpu[name] = n / s, n / c
                         thr[name].append(n / s)
                         cpu[name].append(n / c)
+                        steps_per_call[name].add(sum(r.vllm_steps for r in recs))
                         if name == "record":
                             all_recs += recs
                     ratios[phase].append(got["record"] / got["plain"])
@@ -268,7 +273,8 @@ def main() -> None:
             f"{', '.join(ratios)} of the median per-pair ratio; pooled {_stats(pooled)}); tokens per CPU-second "
             f"{head_cpu:.4f}; record {m_rec:.1f} tok/s (sd {_sd(thr['record']):.1f}), plain {m_plain:.1f} tok/s "
             f"(sd {_sd(thr['plain']):.1f}); {len(prompts)} prompts x {args.max_new_tokens} tokens, K={args.k}, "
-            f"tau {t:.2f} (target >= 0.97)"
+            f"tau {t:.2f}; vLLM steps per call record {sorted(steps_per_call['record'])} plain "
+            f"{sorted(steps_per_call['plain'])} (target >= 0.97)"
         )
         if args.global_metrics:
             print(global_metrics_check(target, draft, prompts, args), flush=True)
