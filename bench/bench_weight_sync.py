@@ -15,7 +15,7 @@ Breakdown of one publication (wall clocks of the driver and the actors, same mac
   put       driver: `publish` itself = `ray.put` of the state dict (pickling + copy into the object store) + submits
   transfer  publish returned -> the actor's `load_draft_weights` starts (dispatch, object fetch, unpickling)
   apply     inside the actor: `SpecDecodeEngine.load_draft_weights`, split into
-              file   safetensors `save_file` of the whole state dict to a file in /dev/shm
+              file   safetensors `save_file` of the whole state dict to a shared-memory file
               rpc    `collective_rpc("load_draft_weights")`: the engine's worker process opens the file
                      (safetensors `load_file`, memory-mapped) and runs vLLM's in-place reloader over it
               reset  `reset_prefix_cache`
