@@ -4,15 +4,15 @@
 For one committed sequence x (prompt + response, length T) and its anchors (n, y_1..y_K', a):
 - one target forward over x gives the features the EAGLE-3 student conditions on and the teacher
   distribution p_k for every k <= a+1 (there the block's context x_{<=n} y_{<k} IS the committed stream);
-- the positions after the first rejection (k >= a+2) have the rejected token y_{a+1} in their context: they
-  are scored from the prefix KV cache of that same forward, cropped after x_{n+a}, by feeding the branch
-  y_{a+1}..y_{K'-1} (prefix KV reuse: one short forward per anchor, not a full re-forward).
+- the positions after the first rejection (k >= a+2) have the rejected token y_{a+1} in their context: each
+  anchor's branch y_{a+1}..y_{K'-1} is appended to the same forward with a tree mask (it sees x_{<=n+a} and
+  itself), so the shared prefix is scored once and a sequence with all its anchors costs one forward over
+  T + (branch tokens) -- P4 in docs/benchmarks.md.
 Teacher log-probs ship in the draft's vocabulary (EAGLE-3: the d2t ids, renormalised).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,46 +73,38 @@ class ReplayActor:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _score_one(self, it: ReplayItem) -> TeacherItem:
-        ids = torch.tensor(it.input_ids)
         T, N, K = len(it.input_ids), len(it.anchor_pos), self.k
-        out = self.model(ids[None], output_hidden_states=True, use_cache=True)
-        logits = out.logits[0]  # (T, V)
-        feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1)  # (T, A*H)
-        cache = out.past_key_values
+        packed = pack_branches(it, K)
+        out = self.model(
+            packed.input_ids[None],
+            attention_mask=packed.mask[None, None],
+            position_ids=packed.position_ids[None],
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        logits = out.logits[0]  # (T + B, V)
+        feats = torch.cat([out.hidden_states[i][0, :T] for i in self.aux], dim=-1)  # (T, A*H)
         drafted = torch.zeros(N, K, dtype=torch.long)
         valid = torch.zeros(N, dtype=torch.long)
         acc = torch.zeros(N, dtype=torch.long)
         replay_acc = torch.zeros(N, dtype=torch.long)
         teacher = None
-        for j, (n, y, a) in enumerate(zip(it.anchor_pos, it.drafted, it.accepted)):
+        for j, (rows, y, a) in enumerate(zip(packed.rows, it.drafted, it.accepted)):
+            have = len(rows)
+            block = logits[rows]
             kk = min(len(y), K)
-            block = torch.empty(kk, logits.shape[-1])
-            on_stream = min(a + 1, kk, T - n)  # k <= a+1 positions present in the committed stream
-            block[:on_stream] = logits[n : n + on_stream]
-            if on_stream == a + 1 and a + 1 < kk:  # branch after the first rejection
-                branch = copy.deepcopy(cache)
-                if n + a + 1 < T:
-                    branch.crop(n + a + 1 - T)  # negative: drop the tail, keep x_0..x_{n+a}
-                pos = torch.arange(n + a + 1, n + kk)[None]
-                br = self.model(
-                    torch.tensor([y[a : kk - 1]]), past_key_values=branch, position_ids=pos, use_cache=True
-                )
-                block[a + 1 : kk] = br.logits[0]
-                have = kk
-            else:
-                have = on_stream
             drafted[j, :kk] = torch.tensor(y[:kk])
             valid[j] = have
             acc[j] = min(a, have)
-            match = (block[:have].argmax(-1) == drafted[j, :have]).long()
+            match = (block.argmax(-1) == drafted[j, :have]).long()
             replay_acc[j] = int(match.cumprod(0).sum())
             lp = self._to_draft_vocab(block)
             if teacher is None:
                 teacher = torch.zeros(N, K, lp.shape[-1])
-            teacher[j, :kk] = lp
+            teacher[j, :have] = lp
         assert teacher is not None
         return TeacherItem(
-            ids,
+            torch.tensor(it.input_ids),
             feats.float(),
             torch.tensor(it.anchor_pos),
             drafted,
@@ -122,3 +114,43 @@ class ReplayActor:
             teacher,
             it.policy_version,
         )
+
+
+@dataclass
+class PackedBranches:
+    """The committed sequence followed by every anchor's rejected branch, scored in ONE forward."""
+
+    input_ids: torch.Tensor  # (T + B,)
+    position_ids: torch.Tensor  # (T + B,)
+    mask: torch.Tensor  # (T + B, T + B) additive: 0 where attention is allowed, -inf elsewhere
+    rows: list[torch.Tensor]  # per anchor: the logit rows that are its teacher positions k = 1..valid
+
+
+def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
+    """Block position k of anchor (n, y, a) has context x_{<=n} y_{<k}. For k <= a+1 that is the committed
+    stream (row n+k-1). For k >= a+2 the context contains the rejected y_{a+1}: those rows are a branch
+    y_{a+1}..y_{K'-1} appended after the stream at positions n+a+1.., attending to x_{<=n+a} and to the earlier
+    tokens of its own branch only (a tree mask, as in tree-attention verification)."""
+    T = len(it.input_ids)
+    ids, pos, rows = list(it.input_ids), list(range(T)), []
+    spans: list[tuple[int, int, int]] = []  # (first packed index, length, prefix end n+a inclusive)
+    for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
+        kk = min(len(y), k)
+        on_stream = max(0, min(a + 1, kk, T - n))
+        r = list(range(n, n + on_stream))
+        if on_stream == a + 1 and a + 1 < kk:
+            start = len(ids)
+            branch = list(y[a : kk - 1])
+            ids += branch
+            pos += list(range(n + a + 1, n + kk))
+            spans.append((start, len(branch), n + a))
+            r += list(range(start, start + len(branch)))
+        rows.append(torch.tensor(r, dtype=torch.long))
+    L = len(ids)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed[T:, :] = False
+    for start, length, last in spans:
+        allowed[start : start + length, : last + 1] = True
+        allowed[start : start + length, start : start + length] = torch.ones(length, length).tril().bool()
+    mask = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))
+    return PackedBranches(torch.tensor(ids), torch.tensor(pos), mask, rows)

@@ -1,5 +1,5 @@
-"""Replay (teacher on the draft's own blocks, prefix KV reuse for branches) against naive per-anchor forwards,
-and the DeepSpeed learner stepping the EAGLE-3 student on the acceptance-aware objective."""
+"""Replay (teacher on the draft's own blocks, branches packed into one tree-masked forward) against naive
+per-anchor forwards, and the DeepSpeed learner stepping the EAGLE-3 student on the acceptance-aware objective."""
 
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""P4: teacher scoring of all anchors of a sequence vs one plain target forward over the same number of tokens.
+
+    python bench/bench_replay.py                      # SmolLM2 target, 6 sequences, 32 anchors each, K = 4
+    python bench/bench_replay.py --anchors 64 --repeats 5
+
+Sequences are the target's own greedy answers to ShareGPT train prompts (the SFT trajectory cache, generated
+with vLLM if missing). On each, anchors are spread over the response with accepted counts a ~ U{0..K} and a
+block whose first a tokens are the committed continuation and whose rest are random ids (what matters for the
+cost is the number of anchors and of branch tokens, not which ids they carry).
+
+Three ways to get the teacher distributions p_k for k = 1..K of every anchor, timed interleaved:
+    packed   `ReplayActor._score_one`: one forward over the sequence plus every anchor's rejected branch
+             (tree mask), features and draft-vocabulary log-probs included -- what the OPD loop runs;
+    plain    the target forward over the same number of tokens (T + branch tokens), logits only: the P4
+             denominator;
+    naive    one full forward over x_{<=n} + y_{<K} per anchor (re-scoring every prefix).
+P4 = median over sequences of median(packed) / median(plain); target <= 1.25.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sequences", type=int, default=6)
+    ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence (anchor.max_per_sequence)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-response", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--naive", action="store_true", default=True)
+    ap.add_argument("--no-naive", dest="naive", action="store_false")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target
+    from draft_opd_ray.replay import ReplayActor, ReplayItem, pack_branches
+    from draft_opd_ray.sft.data import generate_trajectories, read_trajectories
+    from draft_opd_ray.sft.run import prompt_ids
+
+    target = ensure_embedded_target()
+    trajs = read_trajectories(
+        generate_trajectories(target, prompt_ids("sharegpt", "train", 64, target), default_cache_dir())
+    )
+    trajs = [t for t in trajs if len(t.response_ids) >= args.min_response][: args.sequences]
+    actor = ReplayActor(str(target), aux_layer_ids=[2, 15, 27], draft_ids=None, k=args.k)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    K = args.k
+    rows = []
+    for t in trajs:
+        seq = t.prompt_ids + t.response_ids
+        p, T = len(t.prompt_ids), len(seq)
+        positions = sorted(rng.sample(range(p - 1, T - K - 1), min(args.anchors, T - K - p)))
+        drafted, accepted = [], []
+        for n in positions:
+            a = rng.randint(0, K)
+            drafted.append(seq[n + 1 : n + 1 + a] + [rng.randrange(100, 40000) for _ in range(K - a)])
+            accepted.append(a)
+        item = ReplayItem(seq, positions, drafted, accepted, policy_version=0)
+        L = len(pack_branches(item, K).input_ids)
+        plain_ids = torch.tensor([seq + seq[: L - T]])
+
+        def packed() -> None:
+            actor.score([item])
+
+        def plain() -> None:
+            model(plain_ids, use_cache=False)
+
+        def naive() -> None:
+            for n, y in zip(positions, drafted):
+                model(torch.tensor([seq[: n + 1] + y[: K - 1]]), use_cache=False)
+
+        times: dict[str, list[float]] = {"packed": [], "plain": [], "naive": []}
+        fns = {"packed": packed, "plain": plain, **({"naive": naive} if args.naive else {})}
+        with torch.no_grad():
+            packed()  # warm-up
+            for r in range(args.repeats):
+                order = list(fns) if r % 2 == 0 else list(reversed(fns))
+                for name in order:
+                    tic = time.perf_counter()
+                    fns[name]()
+                    times[name].append(time.perf_counter() - tic)
+        med = {k: statistics.median(v) for k, v in times.items() if v}
+        row = {
+            "T": T,
+            "anchors": len(positions),
+            "scored_tokens": L,
+            "branch_tokens": L - T,
+            **{f"{k}_s": round(v, 4) for k, v in med.items()},
+            "packed_over_plain": round(med["packed"] / med["plain"], 3),
+        }
+        if "naive" in med:
+            row["naive_over_plain"] = round(med["naive"] / med["plain"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    p4 = statistics.median(r["packed_over_plain"] for r in rows)
+    summary = {"P4": round(p4, 3), "sequences": len(rows), "anchors_per_sequence": args.anchors, "K": K}
+    if args.naive:
+        summary["naive_over_plain"] = round(statistics.median(r["naive_over_plain"] for r in rows), 2)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
