@@ -71,15 +71,15 @@ def main() -> None:
         L = len(pack_branches(item, K).input_ids)
         plain_ids = torch.tensor([seq + seq[: L - T]])
 
-        def packed() -> None:
+        def packed(item: ReplayItem = item) -> None:
             actor.score([item])
 
-        def plain() -> None:
-            model(plain_ids, use_cache=False)
+        def plain(ids: torch.Tensor = plain_ids) -> None:
+            model(ids, use_cache=False)
 
-        def naive() -> None:
-            for n, y in zip(positions, drafted):
-                model(torch.tensor([seq[: n + 1] + y[: K - 1]]), use_cache=False)
+        def naive(item: ReplayItem = item) -> None:
+            for n, y in zip(item.anchor_pos, item.drafted):
+                model(torch.tensor([item.input_ids[: n + 1] + y[: K - 1]]), use_cache=False)
 
         times: dict[str, list[float]] = {"packed": [], "plain": [], "naive": []}
         fns = {"packed": packed, "plain": plain, **({"naive": naive} if args.naive else {})}

@@ -8,6 +8,9 @@ features accepts.
 ``vllm``: SmolLM2 target, 3 chat prompts, greedy, K = 4, the same exported draft folder in both engines: per
 request the anchor positions, drafted ids and accepted counts agree (a divergence is accepted only at a numerical
 near-tie of the target's top two logits), and tau from vLLM's counters equals tau of the reference within 2%.
+Drafts: the target's first 29 layers (standalone), an EAGLE-3 head fitted for a few steps to the target's answers
+(tau about 1.5), a random DFlash drafter (context-sensitive proposals, almost never accepted).
+About 2 minutes on a quiet 2-core box, most of it starting three vLLM engines (much longer when it is busy).
 """
 
 from __future__ import annotations
@@ -359,14 +362,22 @@ def test_eagle3_vllm_equals_reference(smol, smol_batch, tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_dflash_vllm_equals_reference(smol, smol_batch, tmp_path: Path) -> None:
+def test_dflash_vllm_equals_reference(smol, tmp_path: Path) -> None:
+    """A few fitting steps leave a DFlash drafter that proposes one frequent token whatever the context (it
+    needs far more training to use it), which would test little; large random weights instead make every
+    drafted id depend on the exact context, layer ids and positions. They are almost never accepted."""
     from draft_opd_ray.models.dflash import init_dflash, load_dflash, save_dflash
 
     draft = init_dflash(smol["path"], num_layers=1, block_size=K + 1)
-    save_dflash(fit_dflash(draft, smol_batch, steps=30, lr=3e-3, anchors=16), tmp_path / "df", smol["path"])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_dflash(draft, tmp_path / "df", smol["path"])
     drafter = DFlashDrafter(smol["model"], load_dflash(tmp_path / "df", smol["path"]))
     ref = speculative_generate(
         smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, eos_token_id=EOS
     )
-    _, t_ref = compare(smol, "dflash", tmp_path / "df", ref)
-    assert t_ref > 1.0
+    assert len({tuple(d) for r in ref for d in r.drafted}) >= 5  # proposals change with the context
+    compare(smol, "dflash", tmp_path / "df", ref)
