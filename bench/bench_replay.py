@@ -24,6 +24,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +83,11 @@ def main() -> None:
                 model(torch.tensor([item.input_ids[: n + 1] + y[: K - 1]]), use_cache=False)
 
         times: dict[str, list[float]] = {"packed": [], "plain": [], "naive": []}
-        fns = {"packed": packed, "plain": plain, **({"naive": naive} if args.naive else {})}
+        fns: dict[str, Callable[[], None]] = {
+            "packed": packed,
+            "plain": plain,
+            **({"naive": naive} if args.naive else {}),
+        }
         with torch.no_grad():
             packed()  # warm-up
             for r in range(args.repeats):
