@@ -75,6 +75,7 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
         config=dataclasses.asdict(cfg),
     )
     draft = cfg.draft.path
+    start_draft: str | None = None  # what the opd stage started from: eval reports τ before and after
     try:
         if "sft" in cfg.stages:
             from draft_opd_ray.sft.stage import run_sft_stage
@@ -90,6 +91,7 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
                     f"draft.kind: the opd stage trains eagle3 drafts so far, got {cfg.draft.kind!r}"
                 )
             draft = draft or initial_draft(cfg, target, rd)
+            start_draft = draft
             ray.init(
                 address=cfg.cluster.ray_address,
                 num_cpus=None if cfg.cluster.ray_address else int(cfg.cluster.cpus_per_node),
@@ -126,6 +128,7 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
                 concurrency=cfg.eval.concurrency,
                 baselines=cfg.eval.baselines,
                 max_model_len=cfg.target.max_model_len,
+                before=start_draft,
             )
             for name, e in report["datasets"].items():
                 metrics.log(
@@ -137,6 +140,13 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
                     speedup_c1=e["speedup"].get("1"),
                 )
             print((rd / "eval" / "report.md").read_text(), flush=True)
+            for name, e in report["datasets"].items():
+                if "before" in e:
+                    print(
+                        f"[result] {name}: τ before Draft-OPD {e['before']['tau']:.3f} -> after {e['tau']:.3f}"
+                        f" (vLLM counters {e['before']['tau_vllm']:.3f} -> {e['tau_vllm']:.3f})",
+                        flush=True,
+                    )
     finally:
         metrics.close()
     print(f"[done] run directory: {rd}", flush=True)

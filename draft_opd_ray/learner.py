@@ -93,8 +93,11 @@ class Learner:
         global_den = denominator(acc, valid, K, self.spec)
         if global_den <= 0:
             return {"skipped": 1.0}
+        from draft_opd_ray.flops import eagle3_block_flops
+
         total = None
         sums: dict[str, float] = {}
+        flops = 0.0
         for b in batch:  # one micro-batch per sequence; gradients add up to the whole-batch gradient
             hidden = self.model.block_hidden(
                 b.input_ids[None], b.features[None], b.anchor_pos[None], b.drafted[None]
@@ -106,6 +109,7 @@ class Learner:
                 teacher_logits=b.teacher_logprobs[mask],
             )
             terms = objective_terms(inputs, b.accepted, b.valid_len, K, self.spec)
+            flops += eagle3_block_flops(self.model.config, len(b.input_ids), len(b.anchor_pos), K).total
             part = terms.numerator / global_den
             total = part if total is None else total + part
             for k, v in terms.metrics.items():
@@ -120,6 +124,7 @@ class Learner:
             "lr": float(self.scheduler.get_last_lr()[0]),
             "anchors": float(len(acc)),
             "denominator": global_den,
+            "flops_draft_step": flops,
             **sums,
         }
 

@@ -6,7 +6,8 @@ Reads top to bottom:
     for each step: take the next finished round, drop it if its draft is more than `max_staleness` versions
         behind the learner, write its records to anchors/, select anchors, replay them on the target, step
         the learner, publish the new weights (workers swap between rounds), log, checkpoint
-The rollout workers never wait for the learner; the learner waits only for data.
+The rollout workers never wait for the learner; the learner waits only for data, and each step takes every
+round that has finished by then (one at least), so nothing generated is left to go stale.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from draft_opd_ray.algo.anchors import select_anchors
 from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
 from draft_opd_ray.replay import ReplayItem
@@ -158,7 +160,21 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
     return items
 
 
-def save_checkpoint(run_dir: Path, step: int, learner: Any, target: str) -> Path:
+def scored_tokens(t: Any) -> int:
+    """Tokens the replay forward scored for one sequence: the sequence plus every anchor's branch."""
+    branch = (t.valid_len - t.accepted - 1).clamp(min=0)
+    return int(len(t.input_ids) + branch.sum())
+
+
+def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
+    """Target verification work of one rollout: prefill + (K + 1) tokens per step (weights only, no attention)."""
+    per_token = target_forward_flops(info, 1, 1)
+    return per_token * (len(r.prompt_ids) + r.num_steps * (k + 1))
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, learner: Any, target: str, flops: dict[str, float] | None = None
+) -> Path:
     """checkpoints/opd/step_<n>/{draft/, training_state.pt}, written to a temp dir then renamed; then `latest`."""
     import ray
     import torch
@@ -169,7 +185,10 @@ def save_checkpoint(run_dir: Path, step: int, learner: Any, target: str) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ray.get(learner.save.remote(str(tmp / "draft")))
-    torch.save({"step": step, **ray.get(learner.optimizer_state.remote())}, tmp / "training_state.pt")
+    torch.save(
+        {"step": step, "flops": dict(flops or {}), **ray.get(learner.optimizer_state.remote())},
+        tmp / "training_state.pt",
+    )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     pointer = root / "latest.tmp"
@@ -198,11 +217,17 @@ def run_opd(
     import torch
     from tqdm import tqdm
 
+    from draft_opd_ray.models.target import read_target_info
+
+    info = read_target_info(target)
     start_step = 0
+    flops = {"flops_draft": 0.0, "flops_target": 0.0, "flops_rollout": 0.0}
     resume = latest_checkpoint(run_dir) if cfg.resume else None
     if resume is not None:
         draft_dir = str(resume / "draft")
-        start_step = int(torch.load(resume / "training_state.pt", weights_only=False)["step"])
+        saved = torch.load(resume / "training_state.pt", weights_only=False)
+        start_step = int(saved["step"])
+        flops.update(saved.get("flops", {}))
     actors = start_actors(cfg, plan, target, draft_dir, cfg.opd.steps)
     workers, replay, learner = actors["workers"], actors["replay"], actors["learner"]
     if resume is not None:
@@ -225,24 +250,40 @@ def run_opd(
     bar = tqdm(range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps)
     for step in bar:
         t0 = time.time()
-        while True:
+        records: list[RequestRecord] = []
+        behind = 0
+        while not records:  # wait for one round, then take every other round that has finished too
             ready, _ = ray.wait(list(inflight), num_returns=1)
-            worker = inflight.pop(ready[0])
-            records: list[RequestRecord] = [r for r in ray.get(ready[0]) if not r.error and r.num_steps]
-            i = next(feed)
-            inflight[worker.generate.remote(list(prompts[i : i + n]), sampling)] = worker  # keep it busy
-            behind = version - min((min(r.policy_version) for r in records), default=version)
-            if behind <= cfg.async_.max_staleness:
-                break
-            dropped += 1
+            more, _ = ray.wait(
+                [r for r in inflight if r != ready[0]], num_returns=len(inflight) - 1, timeout=0
+            )
+            for ref in ready + more:
+                worker = inflight.pop(ref)
+                got = [r for r in ray.get(ref) if not r.error and r.num_steps]
+                i = next(feed)
+                inflight[worker.generate.remote(list(prompts[i : i + n]), sampling)] = worker  # keep it busy
+                lag = version - min((min(r.policy_version) for r in got), default=version)
+                if lag > cfg.async_.max_staleness:
+                    dropped += 1
+                    continue
+                records += got
+                behind = max(behind, lag)
         t_roll = time.time() - t0
         write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
         items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
         if not items:
             metrics.log("opd", step, tau=tau(records), skipped="no anchors")
             continue
+        t1 = time.time()
         teacher = ray.get(replay.score.remote(items))
+        t2 = time.time()
         out = ray.get(learner.step.remote(teacher))
+        t3 = time.time()
+        flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
+        flops["flops_target"] += sum(target_forward_flops(info, 1, scored_tokens(t)) for t in teacher)
+        flops["flops_rollout"] += sum(
+            rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
+        )
         version += 1
         sync.publish(version, ray.get(learner.rollout_state.remote()))
         row = metrics.log(
@@ -254,16 +295,54 @@ def run_opd(
             staleness=behind,
             dropped_stale=dropped,
             rollout_wait_s=round(t_roll, 2),
+            replay_s=round(t2 - t1, 2),
+            learner_s=round(t3 - t2, 2),
+            publish_s=round(time.time() - t3, 2),
             step_s=round(time.time() - t0, 2),
             replay_accept_agree=_agreement(teacher),
+            **flops,
         )
         bar.set_postfix(loss=f"{out.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
         if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
-            last = str(save_checkpoint(run_dir, step + 1, learner, target) / "draft")
+            last = str(save_checkpoint(run_dir, step + 1, learner, target, flops) / "draft")
     sync.wait()
     for w in workers:
         ray.get(w.shutdown.remote())
+    plot_tau(run_dir)
     return Path(last)
+
+
+def plot_tau(run_dir: Path) -> None:
+    """opd_tau.png: τ of each rollout round (the draft's own acceptance on training prompts) over learner
+    steps, with a running mean, and the loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from draft_opd_ray.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["stage"] == "opd" and "loss" in r]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    taus = [r["tau"] for r in rows]
+    w = max(1, len(rows) // 8)
+    smooth = [
+        sum(taus[max(0, i - w + 1) : i + 1]) / len(taus[max(0, i - w + 1) : i + 1]) for i in range(len(taus))
+    ]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3))
+    a1.plot(steps, taus, ".", alpha=0.5, label="rollout round")
+    a1.plot(steps, smooth, "-", label=f"running mean ({w})")
+    a1.set_xlabel("learner step")
+    a1.set_ylabel("τ (rollouts)")
+    a1.legend()
+    a2.plot(steps, [r["loss"] for r in rows])
+    a2.set_xlabel("learner step")
+    a2.set_ylabel("Draft-OPD loss")
+    fig.tight_layout()
+    fig.savefig(run_dir / "opd_tau.png", dpi=100)
+    plt.close(fig)
 
 
 def _agreement(teacher: Sequence[Any]) -> float:

@@ -74,3 +74,24 @@ def test_six_p_t_rule_of_thumb() -> None:
     layer_p = 2 * H * (64 + 2 * 32) + 64 * H + 3 * H * c.intermediate_size
     attn = 4 * 4 * 16 * 1
     assert f.total == 6 * layer_p + 4 * H * c.draft_vocab_size + 3 * attn + 4 * H * H
+
+
+def test_eagle3_block_flops_match_flop_counter() -> None:
+    """The student side of Draft-OPD: block_hidden over all anchors + the frozen head at the block positions."""
+    from draft_opd_ray.flops import eagle3_block_flops
+
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG)
+    model.lm_head.weight.requires_grad_(False)
+    T, N, K = 24, 5, 4
+    ids = torch.randint(0, CFG.vocab_size, (1, T))
+    feats = torch.randn(1, T, 3 * CFG.hidden_size)
+    anchors = torch.tensor([[3, 7, 11, 15, 19]])
+    drafted = torch.randint(0, CFG.vocab_size, (1, N, K))
+    with FlopCounterMode(display=False) as fwd:
+        logits = model.lm_head(model.block_hidden(ids, feats, anchors, drafted))
+    with FlopCounterMode(display=False) as bwd:
+        logits.float().pow(2).mean().backward()
+    want = eagle3_block_flops(CFG, T, N, K)
+    assert fwd.get_total_flops() == pytest.approx(want.forward, rel=0.03)
+    assert bwd.get_total_flops() == pytest.approx(want.backward, rel=0.03)

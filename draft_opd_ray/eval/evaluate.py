@@ -63,7 +63,10 @@ def evaluate(
     baselines: Sequence[str] = ("ngram",),
     max_model_len: int = 2048,
     speed_prompts: int = 8,
+    before: str | Path | None = None,
 ) -> dict[str, Any]:
+    """``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
+    engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sampling = Sampling(
@@ -75,11 +78,22 @@ def evaluate(
         + [("none", None)]
     )
     results: dict[str, dict[str, Any]] = {name: {} for name in datasets}
+    tau_before: dict[str, dict[str, float]] = {}
     for kind, path in methods:
+        first = str(before) if before is not None and kind == draft_kind else path
         engine = SpecDecodeEngine(
-            target, draft_kind=kind, draft_path=path, num_speculative_tokens=k, max_model_len=max_model_len
+            target, draft_kind=kind, draft_path=first, num_speculative_tokens=k, max_model_len=max_model_len
         )
         try:
+            if first != path:
+                from safetensors.torch import load_file
+
+                for name, prompts in datasets.items():
+                    recs = [r for r in engine.generate(prompts, sampling) if not r.error]
+                    tau_before[name] = {"tau": tau(recs), "tau_vllm": tau_vllm(recs)}
+                    print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
+                assert path is not None
+                engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
             for name, prompts in datasets.items():
                 res, _ = _measure(engine, prompts, sampling, k, concurrency, speed_prompts)
                 results[name][kind] = res
@@ -88,6 +102,7 @@ def evaluate(
     report: dict[str, Any] = {
         "target": str(target),
         "draft": str(draft_path),
+        "draft_before": str(before) if before is not None else None,
         "speculative_config": speculative_config(draft_kind, str(draft_path) if draft_path else None, k),
         "datasets": {},
         "baselines": {},
@@ -105,6 +120,8 @@ def evaluate(
                 "tokens_per_s": {str(c): v for c, v in res["tokens_per_s"].items()},
             }
             if kind == draft_kind:
+                if name in tau_before:
+                    entry["before"] = tau_before[name]
                 report["datasets"][name] = entry
             else:
                 report["baselines"].setdefault(kind, {})[name] = entry
@@ -133,6 +150,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         return f"| {name} | {method} | {t} | {e['tau_vllm']:.3f} | {sp} |"
 
     for name, e in report["datasets"].items():
+        if "before" in e:
+            b = e["before"]
+            lines.append(
+                f"| {name} | draft before (start of run) | {b['tau']:.3f} | {b['tau_vllm']:.3f} | - |"
+            )
         lines.append(row(name, "draft", e))
         for b, per in report["baselines"].items():
             if name in per:

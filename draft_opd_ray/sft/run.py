@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--aux-layers", default="", help="comma-separated target layer ids (default: 2,L/2,L-3)")
     ap.add_argument("--init", default="target", choices=("target", "random"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--zero-stage", type=int, default=0)
@@ -104,6 +105,8 @@ def main() -> None:
         "--drafts", default="", help="eval only: comma-separated draft folders (default: the run's)"
     )
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--start-from", type=Path, default=None, help="train: continue from this exported draft")
+    ap.add_argument("--max-flops", type=float, default=None, help="train: stop at this many training FLOPs")
     ap.add_argument("--eval-name", default="p0", help="eval/<name>.json")
     ap.add_argument("--no-ngram", action="store_true", help="eval: skip vLLM's ngram reference")
     ap.add_argument(
@@ -136,13 +139,19 @@ def main() -> None:
             sft=SFTConfig(
                 epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, time_budget_min=args.minutes
             ),
-            draft=DraftConfig(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps),
+            draft=DraftConfig(
+                draft_vocab_size=args.draft_vocab,
+                ttt_steps=args.ttt_steps,
+                aux_layer_ids=[int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None,
+            ),
             optim=OptimConfig(warmup_ratio=0.03, schedule="cosine", weight_decay=0.0, grad_clip=1.0),
             learner=LearnerConfig(zero_stage=args.zero_stage, dtype=args.dtype),
             cache_dir=default_cache_dir(),
             init=args.init,
             checkpoint_minutes=[float(m) for m in args.curve.split(",") if m],
             resume=args.resume,
+            start_from=args.start_from,
+            max_flops=args.max_flops,
         )
         print(f"draft: {draft}")
     if "eval" in stages:

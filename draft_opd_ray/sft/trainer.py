@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
 from draft_opd_ray.flops import eagle3_train_flops, target_forward_flops
-from draft_opd_ray.models.eagle3 import Eagle3Draft, init_eagle3, save_eagle3
+from draft_opd_ray.models.eagle3 import Eagle3Draft, init_eagle3, load_eagle3, save_eagle3
 from draft_opd_ray.models.standalone import read_target_tensors
 from draft_opd_ray.models.target import read_target_info
 from draft_opd_ray.sft.data import read_trajectories
@@ -286,6 +286,8 @@ def run_sft(
     seed: int = 0,
     metrics: MetricsCallback | None = None,
     progress: bool = True,
+    start_from: str | os.PathLike[str] | None = None,
+    max_flops: float | None = None,
 ) -> Path:
     """Train an EAGLE-3 head on target trajectories; returns the final vLLM-loadable draft folder.
 
@@ -293,6 +295,9 @@ def run_sft(
     ttt_decay}, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage, dtype}.
     ``checkpoint_minutes``: extra exports at these budget minutes (a tau-vs-time curve); the last one is at the
     end. ``max_steps`` caps steps (tests). The budget clock covers feature building and training.
+    ``start_from``: continue from an exported draft (its weights and draft vocabulary; fresh optimizer) instead of
+    a new head. ``max_flops``: stop once draft + target FLOPs reach it; with ``start_from`` the target forward of
+    every batch is charged as if its features were computed on the fly (the matched-FLOPs baseline, P1).
     """
     import deepspeed
 
@@ -310,13 +315,16 @@ def run_sft(
     plens = [min(len(r.prompt_ids), max_seq_len) for r in rows if r.response_ids]
     vd = min(draft.draft_vocab_size, info.vocab_size)
     counts = draft_vocab_counts(seqs, plens, info.vocab_size) if vd < info.vocab_size else None
-    model = init_eagle3(
-        target, aux_layer_ids=draft.aux_layer_ids, draft_vocab_size=vd, token_counts=counts, seed=seed
-    )
-    if init == "target":
-        init_from_target(model, target)
-    elif init != "random":
-        raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+    if start_from is not None:
+        model = load_eagle3(start_from, target)
+    else:
+        model = init_eagle3(
+            target, aux_layer_ids=draft.aux_layer_ids, draft_vocab_size=vd, token_counts=counts, seed=seed
+        )
+        if init == "target":
+            init_from_target(model, target)
+        elif init != "random":
+            raise ValueError(f"init must be 'target' or 'random', got {init!r}")
     model.lm_head.weight.requires_grad_(False)
     aux, draft_ids = model.config.aux_layer_ids, model.draft_ids_in_target.clone()
 
@@ -367,7 +375,7 @@ def run_sft(
         log.info("resumed from %s (step %d)", last, state.step)
     else:
         state.budget_s_used = feature_s
-        if feature_mode == "cache":
+        if feature_mode == "cache" and start_from is None:
             state.flops_target = sum(target_forward_flops(info, 1, len(s)) for s in seqs)
     start_used = state.budget_s_used
     wall0 = time.monotonic()
@@ -385,6 +393,8 @@ def run_sft(
         while state.batch_in_epoch < len(batches):
             used = start_used + (time.monotonic() - wall0)
             if used >= budget_s or (max_steps is not None and state.step >= max_steps):
+                break
+            if max_flops is not None and state.flops_draft + state.flops_target >= max_flops:
                 break
             progress_frac = max(state.step / max(1, total_steps), used / budget_s)
             lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
@@ -407,7 +417,7 @@ def run_sft(
             state.train_s += dt
             state.tokens += ntok
             state.flops_draft += eagle3_train_flops(module.config, B, T, draft.ttt_steps).total
-            if isinstance(source, OnTheFlyFeatures):
+            if isinstance(source, OnTheFlyFeatures) or start_from is not None:
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
             rec = {

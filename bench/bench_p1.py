@@ -1,0 +1,171 @@
+"""P1: Draft-OPD vs SFT continued from the same warm start for the same training FLOPs (DESIGN.md §7).
+
+    python bench/bench_p1.py --warm-start RUN/checkpoints/sft/step_N/draft --steps 20 --run-dir runs/p1 \\
+        [--opd-override loss.gamma=0.8 ...]
+
+1. Draft-OPD: `python -m draft_opd_ray.main stages=[opd] draft.path=<warm start>` for --steps learner steps
+   (2 vLLM rollout workers, a replay actor and a DeepSpeed learner on local Ray). Its training FLOPs F are read
+   from metrics.jsonl: the student forward + backward (`flops_draft`) and the target forwards of replay
+   (`flops_target`). The rollouts' verification forwards are reported beside (`flops_rollout`), not counted,
+   as SFT's trajectory generation is not either.
+2. SFT continued: `python -m draft_opd_ray.sft.run --start-from <warm start> --max-flops F` on the SFT
+   trajectories (ShareGPT train prompts, target's greedy answers), same TTT loss as the warm start; every batch
+   is charged the target forward of its features (as if computed on the fly), so both arms pay for the target.
+3. τ of the warm start, the SFT arm and the OPD arm through vLLM at K on the same held-out MT-Bench prompts
+   (greedy, one engine, weights swapped in): P1 = τ(OPD) / τ(SFT), vLLM's counters.
+Writes <run-dir>/p1.json and prints one line for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def sh(args: list[str], log: Path) -> None:
+    print("+", " ".join(args), flush=True)
+    with log.open("w") as f:
+        r = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode:
+        raise SystemExit(f"failed ({r.returncode}), see {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warm-start", type=Path, required=True)
+    ap.add_argument("--run-dir", type=Path, default=Path("runs/p1"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=3e-4, help="both arms")
+    ap.add_argument("--sft-batch-tokens", type=int, default=2048)
+    ap.add_argument("--sft-prompts", type=int, default=768)
+    ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--eval-prompts", type=int, default=40)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--opd-override", nargs="*", default=[])
+    ap.add_argument("--skip", default="", help="comma list of arms already done: opd,sft")
+    args = ap.parse_args()
+    rd = args.run_dir.resolve()
+    rd.mkdir(parents=True, exist_ok=True)
+    warm = args.warm_start.resolve()
+    cfg = json.loads((warm / "config.json").read_text())
+    aux = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    skip = set(args.skip.split(","))
+
+    opd_dir = rd / "opd"
+    if "opd" not in skip:
+        sh(
+            [
+                sys.executable,
+                "-m",
+                "draft_opd_ray.main",
+                "stages=[opd]",
+                f"draft.path={warm}",
+                f"draft.draft_vocab_size={cfg['draft_vocab_size']}",
+                f"draft.aux_layer_ids=[{','.join(map(str, aux))}]",
+                f"opd.steps={args.steps}",
+                f"opd.checkpoint_every={args.steps}",
+                f"optim.lr={args.lr}",
+                "wandb.mode=disabled",
+                f"hydra.run.dir={opd_dir}",
+                *args.opd_override,
+            ],
+            rd / "opd.log",
+        )
+    rows = [json.loads(x) for x in (opd_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r.get("stage") == "opd" and "flops_draft" in r][-1]
+    budget = last["flops_draft"] + last["flops_target"]
+    opd_draft = (
+        opd_dir / "checkpoints" / "opd" / (opd_dir / "checkpoints" / "opd" / "latest").read_text().strip()
+    )
+
+    sft_dir = rd / "sft"
+    if "sft" not in skip:
+        sh(
+            [
+                sys.executable,
+                "-m",
+                "draft_opd_ray.sft.run",
+                "--stages",
+                "data,train",
+                "--num-prompts",
+                str(args.sft_prompts),
+                "--run-dir",
+                str(sft_dir),
+                "--start-from",
+                str(warm),
+                "--max-flops",
+                str(budget),
+                "--minutes",
+                "600",
+                "--epochs",
+                "1",
+                "--curve",
+                "",
+                "--lr",
+                str(args.lr),
+                "--batch-tokens",
+                str(args.sft_batch_tokens),
+                "--ttt-steps",
+                str(args.ttt_steps),
+                "--draft-vocab",
+                str(cfg["draft_vocab_size"]),
+                "--aux-layers",
+                ",".join(map(str, aux)),
+            ],
+            rd / "sft.log",
+        )
+    srows = [json.loads(x) for x in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+    strain = [r for r in srows if "flops_draft" in r][-1]
+    sft_root = sft_dir / "checkpoints" / "sft"
+    sft_draft = max(sft_root.glob("step_*"), key=lambda d: int(d.name.split("_")[1])) / "draft"
+
+    drafts = [warm, sft_draft, opd_draft / "draft"]
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "draft_opd_ray.sft.run",
+            "--stages",
+            "eval",
+            "--run-dir",
+            str(rd),
+            "--drafts",
+            ",".join(map(str, drafts)),
+            "--eval-prompts",
+            str(args.eval_prompts),
+            "--k",
+            str(args.k),
+            "--eval-name",
+            "p1_tau",
+            "--no-ngram",
+        ],
+        rd / "eval.log",
+    )
+    taus = json.loads((rd / "eval" / "p1_tau.json").read_text())
+    t_warm, t_sft, t_opd = (taus[str(d)]["tau_vllm"] for d in drafts)
+    out = {
+        "P1": t_opd / t_sft,
+        "tau_warm_start": t_warm,
+        "tau_sft_continued": t_sft,
+        "tau_opd": t_opd,
+        "flops_budget": budget,
+        "opd": {k: last[k] for k in ("step", "flops_draft", "flops_target", "flops_rollout")},
+        "sft": {
+            "steps": strain["step"],
+            "flops_draft": strain["flops_draft"],
+            "flops_target": strain["flops_target"],
+        },
+    }
+    (rd / "p1.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+    print(
+        f"P1 {t_opd / t_sft:.3f} (tau after Draft-OPD {t_opd:.3f} / after SFT continued {t_sft:.3f}; warm start "
+        f"{t_warm:.3f}; {budget:.3g} training FLOPs each: OPD {last['step']} steps, SFT {strain['step']} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main()
