@@ -2,6 +2,7 @@
 
     python bench/bench_p1.py --warm-start RUN/checkpoints/sft/step_N/draft --steps 20 --run-dir runs/p1 \\
         [--opd-override loss.gamma=0.8 ...]
+    python bench/bench_p1.py --warm-start WARM --opd-run RUN --run-dir runs/p1   # OPD arm from a finished run
 
 1. Draft-OPD: `python -m draft_opd_ray.main stages=[opd] draft.path=<warm start>` for --steps learner steps
    (2 vLLM rollout workers, a replay actor and a DeepSpeed learner on local Ray). Its training FLOPs F are read
@@ -46,6 +47,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--opd-override", nargs="*", default=[])
     ap.add_argument("--skip", default="", help="comma list of arms already done: opd,sft")
+    ap.add_argument(
+        "--opd-run",
+        type=Path,
+        default=None,
+        help="use the opd stage of this run directory as the OPD arm (its draft.path must be --warm-start)",
+    )
     args = ap.parse_args()
     rd = args.run_dir.resolve()
     rd.mkdir(parents=True, exist_ok=True)
@@ -54,8 +61,8 @@ def main() -> None:
     aux = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     skip = set(args.skip.split(","))
 
-    opd_dir = rd / "opd"
-    if "opd" not in skip:
+    opd_dir = args.opd_run.resolve() if args.opd_run else rd / "opd"
+    if "opd" not in skip and args.opd_run is None:
         sh(
             [
                 sys.executable,

@@ -119,3 +119,15 @@ def test_deepspeed_sft_lowers_loss_and_resumes(tiny: Path, trajectories: Path, t
     assert rec2[0]["flops_draft"] > rec[-2]["flops_draft"]  # FLOPs carried over
     resumed = load_eagle3(out2, tiny)
     assert not torch.equal(saved.fc.weight, resumed.fc.weight)
+
+
+def test_stage_logs_trainer_rows_through_the_run_logger(tmp_path: Path) -> None:
+    """The trainer's rows carry stage/step/time of their own; the run's MetricsLogger must not clash."""
+    from draft_opd_ray.metrics import MetricsLogger, read_metrics
+    from draft_opd_ray.sft.stage import log_sft_row
+
+    m = MetricsLogger(tmp_path, wandb_mode="disabled", project="t", entity=None, config={})
+    log_sft_row(m, {"stage": "sft", "step": 3, "time": 1.0, "loss": 2.5, "acc_0": 0.5})
+    m.close()
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["stage"] == "sft" and row["step"] == 3 and row["loss"] == 2.5 and row["acc_0"] == 0.5

@@ -38,6 +38,12 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
     return h.hexdigest()[:16]
 
 
+def log_sft_row(metrics: Any, row: dict[str, Any]) -> None:
+    """The trainer's rows carry stage/step/time of their own; the run's logger sets those."""
+    extra = {k: v for k, v in row.items() if k not in ("stage", "step", "time")}
+    metrics.log("sft", int(row.get("step", 0)), **extra)
+
+
 def run_sft_stage(
     cfg: Config, *, target: str, prompts: Sequence[list[int]], run_dir: Path, metrics: Any
 ) -> Path:
@@ -72,7 +78,7 @@ def run_sft_stage(
         cache_dir=cache,
         resume=cfg.resume,
         seed=cfg.seed,
-        metrics=lambda m: metrics.log("sft", int(m.get("step", 0)), **m),
+        metrics=lambda m: log_sft_row(metrics, m),
     )
     tmp = warm.parent / ".draft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
