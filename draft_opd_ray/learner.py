@@ -20,16 +20,21 @@ from draft_opd_ray.replay import TeacherItem
 
 
 def _init_single_process_group() -> None:
+    """A process group of one for DeepSpeed. The port is always a fresh free one: a Ray actor inherits the
+    environment of the driver, whose MASTER_PORT may still be bound (e.g. by the sft stage's group)."""
+    import socket
+
     import deepspeed
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 
 

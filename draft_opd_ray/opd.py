@@ -30,7 +30,7 @@ from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementP
 from draft_opd_ray.replay import ReplayItem
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, tau, write_parquet
-from draft_opd_ray.weight_sync import ObjectStoreWeightSync
+from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 
 
 def loss_spec(cfg: Config) -> LossSpec:
@@ -160,6 +160,15 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
     return items
 
 
+def make_weight_sync(cfg: Config, workers: Sequence[Any]) -> WeightSync:
+    """rollout.weight_sync: auto = one shared-memory file per version on a single node, Ray's object store
+    across nodes."""
+    kind = cfg.rollout.weight_sync
+    if kind == "auto":
+        kind = "shm_file" if cfg.cluster.num_nodes == 1 else "object_store"
+    return SharedFileWeightSync(workers) if kind == "shm_file" else ObjectStoreWeightSync(workers)
+
+
 def scored_tokens(t: Any) -> int:
     """Tokens the replay forward scored for one sequence: the sequence plus every anchor's branch."""
     branch = (t.valid_len - t.accepted - 1).clamp(min=0)
@@ -234,7 +243,7 @@ def run_opd(
         ray.get(
             learner.load_optimizer_state.remote(torch.load(resume / "training_state.pt", weights_only=False))
         )
-    sync = ObjectStoreWeightSync(workers)
+    sync = make_weight_sync(cfg, workers)
     sync.version = start_step
     sampling = Sampling(
         temperature=cfg.rollout.temperature,
@@ -305,7 +314,7 @@ def run_opd(
         bar.set_postfix(loss=f"{out.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
         if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
             last = str(save_checkpoint(run_dir, step + 1, learner, target, flops) / "draft")
-    sync.wait()
+    sync.close()
     for w in workers:
         ray.get(w.shutdown.remote())
     plot_tau(run_dir)

@@ -7,6 +7,8 @@ accepts about half of its proposals, so both accepts and rejections are exercise
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -130,11 +132,12 @@ def test_invalid_sampling_is_rejected(worker, models) -> None:
         ray.get(worker.generate.remote(prompts[:1], Sampling(temperature=-1.0)))
 
 
-def test_weight_update_changes_tau_and_returns(models, worker) -> None:
+@pytest.mark.parametrize("transport", ["shm_file", "object_store"])
+def test_weight_update_changes_tau_and_returns(models, worker, transport: str) -> None:
     import ray
     from safetensors.torch import load_file
 
-    from draft_opd_ray.weight_sync import ObjectStoreWeightSync
+    from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     _, draft, prompts = models
     original = load_file(str(draft / "model.safetensors"))
@@ -145,7 +148,7 @@ def test_weight_update_changes_tau_and_returns(models, worker) -> None:
         else v
         for k, v in original.items()
     }
-    sync = ObjectStoreWeightSync([worker])
+    sync = SharedFileWeightSync([worker]) if transport == "shm_file" else ObjectStoreWeightSync([worker])
     before = ray.get(worker.generate.remote(prompts, SAMPLING))
     sync.publish(1, noisy)
     changed = ray.get(worker.generate.remote(prompts, SAMPLING))  # runs after the swap (actor call order)
@@ -158,5 +161,8 @@ def test_weight_update_changes_tau_and_returns(models, worker) -> None:
     assert tau(back) == pytest.approx(tau(before), abs=1e-9)
     assert [r.response_ids for r in back] == [r.response_ids for r in before]  # the target never changed
     assert [r.response_ids for r in changed] == [r.response_ids for r in before]
+    if isinstance(sync, SharedFileWeightSync):  # each version's file is gone once applied
+        assert not list(Path(sync.dir).iterdir())
+        sync.close()
     with pytest.raises(ValueError, match="must increase"):
         sync.publish(2, original)

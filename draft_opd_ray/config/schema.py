@@ -166,8 +166,12 @@ class RolloutConfig:
     prompts_per_round: int = 16  # per worker, between two weight swaps
     kvcache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = 0.5
+    # draft-weight transport to the workers: auto = shm_file on one node (one file per version, shared by
+    # every engine), object_store across nodes (weight_sync.py)
+    weight_sync: str = "auto"
 
     def __post_init__(self) -> None:
+        _one_of(self.weight_sync, "rollout.weight_sync", ("auto", "shm_file", "object_store"))
         _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

@@ -203,7 +203,12 @@ class SpecDecodeEngine:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.NamedTemporaryFile(dir=shm, prefix="draft_opd_ray_", suffix=".safetensors") as f:
             save_file({k: v.contiguous() for k, v in weights.items()}, f.name)
-            self.llm.collective_rpc("load_draft_weights", args=(f.name, version))
+            self.load_draft_weights_file(f.name, version)
+
+    def load_draft_weights_file(self, path: str, version: int) -> None:
+        """Like `load_draft_weights`, from a safetensors file with the full draft state that someone on this
+        node already wrote (`SharedFileWeightSync` writes one per version for all workers on the node)."""
+        self.llm.collective_rpc("load_draft_weights", args=(path, version))
         # cached prompt blocks hold KV computed by the old draft: drop them
         self.llm.reset_prefix_cache()
         self.version = version

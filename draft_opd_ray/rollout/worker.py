@@ -54,6 +54,10 @@ class RolloutWorker:
         self.engine.load_draft_weights(weights, version)
         return version
 
+    def load_draft_weights_file(self, path: str, version: int) -> int:
+        self.engine.load_draft_weights_file(path, version)
+        return version
+
     def version(self) -> int:
         return self.engine.version
 

@@ -38,6 +38,18 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
     return h.hexdigest()[:16]
 
 
+def release_process_group() -> None:
+    """The trainer's single-process group is done: free its port before Ray actors start their own."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+
+
 def log_sft_row(metrics: Any, row: dict[str, Any]) -> None:
     """The trainer's rows carry stage/step/time of their own; the run's logger sets those."""
     extra = {k: v for k, v in row.items() if k not in ("stage", "step", "time")}
@@ -80,6 +92,7 @@ def run_sft_stage(
         seed=cfg.seed,
         metrics=lambda m: log_sft_row(metrics, m),
     )
+    release_process_group()
     tmp = warm.parent / ".draft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(draft, tmp)
