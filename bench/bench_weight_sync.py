@@ -3,19 +3,25 @@ time stalled by weight sync. Local Ray, 2 `RolloutWorker` actors (vLLM CPU engin
 SmolLM2-135M target, standalone draft (the target's first 29 of 30 layers: ~0.5 GB of float32 weights).
 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py
-    VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py --zero-copy-torch   # Ray's zero-copy tensor pickling
+    VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py --transport object_store [--zero-copy-torch]
 
-Part 1, publication ratio: `ObjectStoreWeightSync([w0, w1]).publish(v, state_dict)` then `.wait()` (both workers
+Transports (draft_opd_ray/weight_sync.py): `shm_file` (default on one node) -- the publisher writes the state
+dict once per version to a shared-memory safetensors file and sends each worker its path; `object_store` -- one
+`ray.put`, then every worker writes its own file for its engine (with --zero-copy-torch: Ray's zero-copy tensor
+pickling).
+
+Part 1, publication ratio: `sync.publish(v, state_dict)` then `.wait()` (both workers
 have applied version v), timed on the driver with the workers idle, divided by a local memcpy of the same bytes
 (`{k: v.clone()}` of every tensor, in the driver). The two are interleaved (memcpy, publish, memcpy, publish, ...)
 after one untimed warm-up publication; reported: the median per-pair ratio (the headline: the clone's page faults
 make the denominator jumpy on a loaded box), mean / sd / min / max, and the ratios of the means and of the medians. A second
 denominator, `copy_` into preallocated tensors (bandwidth only, no page faults), is printed beside it.
 Breakdown of one publication (wall clocks of the driver and the actors, same machine):
-  put       driver: `publish` itself = `ray.put` of the state dict (pickling + copy into the object store) + submits
+  put       driver: `publish` itself = shm_file: writing the version's file; object_store: `ray.put` of the state
+            dict (pickling + copy into the object store); + the submits
   transfer  publish returned -> the actor's `load_draft_weights` starts (dispatch, object fetch, unpickling)
   apply     inside the actor: `SpecDecodeEngine.load_draft_weights`, split into
-              file   safetensors `save_file` of the whole state dict to a shared-memory file
+              file   object_store only: safetensors `save_file` of the state dict to the worker's own file
               rpc    `collective_rpc("load_draft_weights")`: the engine's worker process opens the file
                      (safetensors `load_file`, memory-mapped) and runs vLLM's in-place reloader over it
               reset  `reset_prefix_cache`
@@ -101,6 +107,16 @@ class TimedRolloutWorker(RolloutWorker):
         self.events.append(self._cur)
         return version
 
+    def load_draft_weights_file(self, path, version):
+        entered = time.time()
+        self._cur = {"kind": "load", "version": version, "start": entered, "mb": os.path.getsize(path) / 1e6}
+        self._cur["t_apply0"] = time.perf_counter()
+        super().load_draft_weights_file(path, version)
+        self._cur["apply_s"] = time.perf_counter() - self._cur["t_apply0"]
+        self._cur["end"] = time.time()
+        self.events.append(self._cur)
+        return version
+
     def take_events(self) -> list[dict]:
         out, self.events = self.events, []
         return out
@@ -120,6 +136,12 @@ def main() -> None:
         "--blocks", type=int, default=2, help="sync/nosync block pairs in part 2 (0 = skip part 2)"
     )
     ap.add_argument("--zero-copy-torch", action="store_true", help="RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1")
+    ap.add_argument(
+        "--transport",
+        default="shm_file",
+        choices=("shm_file", "object_store"),
+        help="shm_file (default on one node): the publisher writes one file per version for all workers",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.zero_copy_torch:
@@ -135,7 +157,7 @@ def main() -> None:
     from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.models.target import ensure_embedded_target
     from draft_opd_ray.rollout.engine import Sampling
-    from draft_opd_ray.weight_sync import ObjectStoreWeightSync
+    from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     t_all = time.perf_counter()
     target = ensure_embedded_target()
@@ -166,7 +188,7 @@ def main() -> None:
         nbytes = sum(v.numel() * v.element_size() for v in weights[0].values())
         print(
             f"setup: {args.workers} workers, standalone draft of {args.draft_layers} layers: {len(weights[0])} "
-            f"tensors, {nbytes / 1e6:.0f} MB; zero-copy torch {args.zero_copy_torch}",
+            f"tensors, {nbytes / 1e6:.0f} MB; transport {args.transport}; zero-copy torch {args.zero_copy_torch}",
             flush=True,
         )
 
@@ -186,7 +208,9 @@ def main() -> None:
         ]
         ray.get([w.version.remote() for w in workers])
         print(f"workers ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        sync = ObjectStoreWeightSync(workers)
+        sync = (
+            SharedFileWeightSync(workers) if args.transport == "shm_file" else ObjectStoreWeightSync(workers)
+        )
         version = 0
 
         def publish_once() -> dict:
