@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from draft_opd_ray.algo.loss import FullInputs, LossSpec, denominator, objective_terms
+from draft_opd_ray.algo.loss import FullInputs, LossSpec, TopkInputs, denominator, objective_terms
 from draft_opd_ray.replay import TeacherItem
 
 
@@ -108,11 +108,23 @@ class Learner:
                 b.input_ids[None], b.features[None], b.anchor_pos[None], b.drafted[None]
             )[0]
             mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
-            inputs = FullInputs(
-                hidden=hidden[mask],
-                lm_head=self.model.lm_head.weight,
-                teacher_logits=b.teacher_logprobs[mask],
-            )
+            inputs: FullInputs | TopkInputs
+            if self.spec.estimator == "topk":
+                if b.teacher_topk_ids is None or b.teacher_topk_logprobs is None:
+                    raise ValueError("loss.estimator=topk needs the replay's topk payload")
+                inputs = TopkInputs(
+                    student_logits=self.model.lm_head(hidden[mask]),
+                    teacher_ids=b.teacher_topk_ids[mask],
+                    teacher_logprobs=b.teacher_topk_logprobs[mask],
+                )
+            else:
+                if b.teacher_logprobs is None:
+                    raise ValueError(f"loss.estimator={self.spec.estimator} needs the replay's full payload")
+                inputs = FullInputs(
+                    hidden=hidden[mask],
+                    lm_head=self.model.lm_head.weight,
+                    teacher_logits=b.teacher_logprobs[mask],
+                )
             terms = objective_terms(inputs, b.accepted, b.valid_len, K, self.spec)
             flops += eagle3_block_flops(self.model.config, len(b.input_ids), len(b.anchor_pos), K).total
             part = terms.numerator / global_den

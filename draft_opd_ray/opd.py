@@ -109,6 +109,8 @@ def start_actors(
             draft_ids=draft_ids,
             k=cfg.draft.num_speculative_tokens,
             num_threads=1 if cpu else None,
+            payload="topk" if cfg.loss.estimator == "topk" else "full",
+            topk=cfg.replay.topk,
         )
     )
     o = cfg.optim

@@ -39,8 +39,18 @@ class TeacherItem:
     valid_len: torch.Tensor  # (N,) long, K' <= K positions that have a teacher
     accepted: torch.Tensor  # (N,) long, recorded acceptance (clipped to valid_len)
     replay_accepted: torch.Tensor  # (N,) long, greedy acceptance recomputed by the teacher
-    teacher_logprobs: torch.Tensor  # (N, K, Vd) log p_k over the draft vocabulary
+    teacher_logprobs: torch.Tensor | None  # (N, K, Vd) log p_k over the draft vocabulary (payload "full")
     policy_version: int
+    teacher_topk_ids: torch.Tensor | None = (
+        None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
+    )
+    teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
+
+
+def payload_bytes(t: TeacherItem) -> int:
+    """What one scored sequence ships to the learner (features + teacher)."""
+    parts = [t.features, t.teacher_logprobs, t.teacher_topk_ids, t.teacher_topk_logprobs]
+    return sum(x.numel() * x.element_size() for x in parts if x is not None)
 
 
 class ReplayActor:
@@ -53,7 +63,14 @@ class ReplayActor:
         k: int,
         dtype: str = "float32",
         num_threads: int | None = None,
+        payload: str = "full",
+        topk: int = 32,
     ) -> None:
+        """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
+        "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk)."""
+        if payload not in ("full", "topk"):
+            raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
+        self.payload, self.topk = payload, topk
         from transformers import AutoModelForCausalLM
 
         if num_threads:
@@ -88,7 +105,7 @@ class ReplayActor:
         valid = torch.zeros(N, dtype=torch.long)
         acc = torch.zeros(N, dtype=torch.long)
         replay_acc = torch.zeros(N, dtype=torch.long)
-        teacher = None
+        teacher: torch.Tensor | None = None
         for j, (rows, y, a) in enumerate(zip(packed.rows, it.drafted, it.accepted)):
             have = len(rows)
             block = logits[rows]
@@ -103,6 +120,11 @@ class ReplayActor:
                 teacher = torch.zeros(N, K, lp.shape[-1])
             teacher[j, :have] = lp
         assert teacher is not None
+        top_ids = top_lp = None
+        if self.payload == "topk":
+            k = min(self.topk, teacher.shape[-1])
+            top_lp, top_ids = teacher.topk(k, dim=-1)
+            teacher = None
         return TeacherItem(
             torch.tensor(it.input_ids),
             feats.float(),
@@ -113,6 +135,8 @@ class ReplayActor:
             replay_acc,
             teacher,
             it.policy_version,
+            top_ids,
+            top_lp,
         )
 
 

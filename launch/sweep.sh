@@ -3,4 +3,4 @@
 #   launch/sweep.sh +cluster=8xA100
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m draft_opd_ray.main -m loss.gamma=0.6,0.8,0.9 anchor.policy=error,random "$@"
+python -m draft_opd_ray.main -m loss.gamma=0.6,0.8,0.9 anchor.policy=error,all "$@"

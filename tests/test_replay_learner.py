@@ -93,3 +93,41 @@ def test_learner_steps_and_loss_decreases(setup) -> None:
     assert set(before) == set(after) and "embed_tokens.weight" not in after
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert learner.version == 4
+
+
+def test_topk_payload_is_the_full_teacher_top_k_and_trains(setup) -> None:
+    """payload=topk ships the top k of the same teacher distributions, is far smaller, and the learner steps on
+    it with loss.estimator=topk (the estimator itself is checked against brute force in test_loss.py)."""
+    from draft_opd_ray.learner import Learner
+    from draft_opd_ray.replay import payload_bytes
+
+    target, draft, _, item, K = setup
+    (full,) = ReplayActor(str(target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K).score([item])
+    (top,) = ReplayActor(
+        str(target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K, payload="topk", topk=8
+    ).score([item])
+    assert full.teacher_logprobs is not None and top.teacher_logprobs is None
+    assert top.teacher_topk_ids is not None and top.teacher_topk_logprobs is not None
+    want_lp, want_ids = full.teacher_logprobs.topk(8, dim=-1)
+    assert torch.equal(top.teacher_topk_ids, want_ids) and torch.allclose(top.teacher_topk_logprobs, want_lp)
+    assert payload_bytes(top) < payload_bytes(full) / 4
+
+    def learner(estimator: str) -> Learner:
+        spec = LossSpec(0.8, 1.0, 1.0, "all", estimator, "mixed", 10.0, 8192)
+        return Learner(
+            str(draft),
+            str(target),
+            spec=spec,
+            lr=3e-3,
+            betas=[0.9, 0.95],
+            weight_decay=0.0,
+            warmup_ratio=0.0,
+            schedule="constant",
+            total_steps=10,
+            zero_stage=0,
+            grad_clip=1.0,
+        )
+
+    lt = learner("topk")
+    losses = [lt.step([top])["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses
