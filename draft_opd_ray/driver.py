@@ -50,6 +50,21 @@ def load_prompts(cfg: Config, tokenizer: Any, which: str) -> list[list[int]]:
     return [list(p.token_ids) for p in ps.prompts]
 
 
+def opd_prompts(cfg: Config, train: list[list[int]]) -> list[list[int]]:
+    """Draft-OPD rolls out on train prompts the SFT warm start did not see (its answers to those it was trained on
+    are memorised, so their on-policy signal says little about new prompts); all of them without an sft stage
+    or when none are left."""
+    if "sft" in cfg.stages:
+        rest = train[cfg.sft.num_prompts :]
+        if rest:
+            print(
+                f"[opd] {len(rest)} train prompts after the {cfg.sft.num_prompts} of the warm start",
+                flush=True,
+            )
+            return rest
+    return train
+
+
 def initial_draft(cfg: Config, target: str, run_dir: Path) -> str:
     """A draft to start from when no SFT stage ran and no draft.path was given: a fresh head."""
     from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
@@ -105,7 +120,7 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
                         plan,
                         target=target,
                         draft_dir=draft,
-                        prompts=train,
+                        prompts=opd_prompts(cfg, train),
                         eos_token_id=info.eos_token_id,
                         run_dir=rd,
                         metrics=metrics,

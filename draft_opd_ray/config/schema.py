@@ -137,7 +137,9 @@ class PromptSetConfig:
 
 
 def _train_prompts() -> PromptSetConfig:
-    return PromptSetConfig(source="sharegpt", split="train", max_prompts=768)
+    return PromptSetConfig(
+        source="sharegpt", split="train", max_prompts=2048
+    )  # sft: first 768, opd: the rest
 
 
 def _eval_prompts() -> PromptSetConfig:
