@@ -245,6 +245,9 @@ def run_opd(
         ray.get(
             learner.load_optimizer_state.remote(torch.load(resume / "training_state.pt", weights_only=False))
         )
+        # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
+        # round would look start_step versions stale and be dropped)
+        ray.get([w.set_version.remote(start_step) for w in workers])
     sync = make_weight_sync(cfg, workers)
     sync.version = start_step
     sampling = Sampling(

@@ -60,5 +60,6 @@ def test_opd_loop_runs_and_resumes(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
     assert [m["step"] for m in rows] == [1, 2, 3]  # continued at step 3, did not redo 1-2
+    assert rows[-1]["staleness"] == 0 and rows[-1]["dropped_stale"] == 0  # workers resumed at version 2
     assert rows[-1]["policy_version"] == 3
     assert (run_dir / "checkpoints" / "opd" / "latest").read_text().strip() == "step_3"

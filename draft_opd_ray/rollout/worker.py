@@ -58,6 +58,11 @@ class RolloutWorker:
         self.engine.load_draft_weights_file(path, version)
         return version
 
+    def set_version(self, version: int) -> int:
+        """The version of the weights the engine was started with (a resumed run starts from version n)."""
+        self.engine.version = version
+        return version
+
     def version(self) -> int:
         return self.engine.version
 
