@@ -51,18 +51,16 @@ def load_prompts(cfg: Config, tokenizer: Any, which: str) -> list[list[int]]:
 
 
 def opd_prompts(cfg: Config, train: list[list[int]]) -> list[list[int]]:
-    """Draft-OPD rolls out on train prompts the SFT warm start did not see (its answers to those it was trained on
-    are memorised, so their on-policy signal says little about new prompts); all of them without an sft stage
-    or when none are left."""
-    if "sft" in cfg.stages:
-        rest = train[cfg.sft.num_prompts :]
-        if rest:
-            print(
-                f"[opd] {len(rest)} train prompts after the {cfg.sft.num_prompts} of the warm start",
-                flush=True,
-            )
-            return rest
-    return train
+    """Draft-OPD rolls out on the train prompts after the first `sft.num_prompts`, which are the SFT warm start's
+    (whether the sft stage runs now or made `draft.path` earlier): its answers to those are memorised, so their
+    on-policy signal says little about new prompts. All of them when none are left."""
+    rest = train[cfg.sft.num_prompts :]
+    if not rest:
+        return train
+    print(
+        f"[opd] {len(rest)} train prompts after the {cfg.sft.num_prompts} of the SFT warm start", flush=True
+    )
+    return rest
 
 
 def initial_draft(cfg: Config, target: str, run_dir: Path) -> str:

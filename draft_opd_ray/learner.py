@@ -48,6 +48,28 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, schedule: str) -> floa
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
+    """min(parts, len(batch)) consecutive groups of whole sequences with about equal anchor counts, none empty."""
+    if parts < 1:
+        raise ValueError(f"mini_batches must be >= 1, got {parts}")
+    parts = min(parts, len(batch))
+    total = sum(len(b.anchor_pos) for b in batch)
+    groups: list[list[TeacherItem]] = [[]]
+    seen = 0
+    for i, b in enumerate(batch):
+        # a new group once this one holds its share of the anchors, or when each later group needs one of the rest
+        left = len(batch) - i
+        if (
+            groups[-1]
+            and len(groups) < parts
+            and (seen >= total * len(groups) / parts or left <= parts - len(groups))
+        ):
+            groups.append([])
+        groups[-1].append(b)
+        seen += len(b.anchor_pos)
+    return groups
+
+
 class Learner:
     def __init__(
         self,
@@ -91,7 +113,30 @@ class Learner:
         )
         self.version = 0
 
-    def step(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
+    def step(self, batch: Sequence[TeacherItem], mini_batches: int = 1) -> dict[str, float]:
+        """One Draft-OPD step: `mini_batches` optimizer updates over the step's anchors (verl's PPO mini-batches).
+
+        The sequences are split into `mini_batches` groups of about equal anchor counts, in order; each group is
+        one optimizer update normalised by its own denominator. The replay forward, which dominates a step's cost,
+        is paid once for all of them. `version` counts calls (published weight versions), not updates.
+        """
+        groups = split_mini_batches(batch, mini_batches)
+        rows = [self._update(g) for g in groups]
+        self.version += 1
+        done = [r for r in rows if "skipped" not in r]
+        if not done:
+            return {"skipped": 1.0}
+        out: dict[str, float] = {}
+        for r in done:
+            for k, v in r.items():
+                out[k] = out.get(k, 0.0) + v
+        for k in ("loss", "denominator"):
+            out[k] /= len(done)
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        out["updates"] = float(len(done))
+        return out
+
+    def _update(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
         K = batch[0].drafted.shape[1]
         acc = torch.cat([b.accepted for b in batch])
         valid = torch.cat([b.valid_len for b in batch])
@@ -135,10 +180,8 @@ class Learner:
         assert total is not None
         self.engine.backward(total)
         self.engine.step()
-        self.version += 1
         return {
             "loss": float(total),
-            "lr": float(self.scheduler.get_last_lr()[0]),
             "anchors": float(len(acc)),
             "denominator": global_den,
             "flops_draft_step": flops,

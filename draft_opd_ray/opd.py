@@ -239,7 +239,7 @@ def run_opd(
         saved = torch.load(resume / "training_state.pt", weights_only=False)
         start_step = int(saved["step"])
         flops.update(saved.get("flops", {}))
-    actors = start_actors(cfg, plan, target, draft_dir, cfg.opd.steps)
+    actors = start_actors(cfg, plan, target, draft_dir, cfg.opd.steps * cfg.learner.mini_batches)
     workers, replay, learner = actors["workers"], actors["replay"], actors["learner"]
     if resume is not None:
         ray.get(
@@ -291,7 +291,7 @@ def run_opd(
         t1 = time.time()
         teacher = ray.get(replay.score.remote(items))
         t2 = time.time()
-        out = ray.get(learner.step.remote(teacher))
+        out = ray.get(learner.step.remote(teacher, cfg.learner.mini_batches))
         t3 = time.time()
         flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
         flops["flops_target"] += sum(target_forward_flops(info, 1, scored_tokens(t)) for t in teacher)

@@ -9,8 +9,9 @@ receiver (a Ray actor method). Invariants:
 Transports:
 - `SharedFileWeightSync` (single node, the default there): the publisher writes the state dict ONCE per version
   to a safetensors file in shared memory and sends every receiver its path; each vLLM engine memory-maps it
-  and reloads in place. One serialisation in all, none per worker; a version's file is removed once every
-  receiver has applied it.
+  and reloads in place. One serialisation in all, none per worker. Files are slots that are overwritten in
+  place (`write_safetensors`, plain `pwrite`s: no new tmpfs pages, no page faults) once every receiver has
+  applied the version they held; a new slot is made only while all others are still being read.
 - `ObjectStoreWeightSync` (multi-node): the state dict goes into Ray's object store once (shared memory on a
   node) and every receiver reads the same object, then writes its own file for its engine.
 On GPU clusters an NCCL broadcast transport plugs in here.
@@ -18,9 +19,65 @@ On GPU clusters an NCCL broadcast transport plugs in here.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+import torch
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Write `tensors` (CPU) as a safetensors file at `path`, overwriting an existing file's pages in place.
+
+    Same bytes as `safetensors.torch.save_file` reads back, but written with `pwrite` straight from each tensor's
+    memory: no intermediate serialised copy, and on tmpfs an existing file of the same size needs no new pages
+    (on this box: 0.08 s for 513 MB into a reused file vs 0.24 s for `save_file` into a new one). Returns the
+    file size. Not atomic: callers overwrite only files nobody is reading.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+            raise ValueError(f"write_safetensors: {name} is {t.dtype} on {t.device}; need a CPU tensor")
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        pos = os.pwrite(fd, struct.pack("<Q", len(head)) + head, 0)
+        for t in tensors.values():
+            if t.numel():
+                raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                view = memoryview(raw)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+                while view:  # pwrite may write less than asked
+                    done = os.pwrite(fd, view, pos)
+                    pos += done
+                    view = view[done:]
+        os.ftruncate(fd, pos)
+    finally:
+        os.close(fd)
+    return pos
 
 
 class WeightSync(Protocol):
@@ -63,34 +120,37 @@ class SharedFileWeightSync:
     """All receivers on the publisher's node (module docstring). Receivers need `load_draft_weights_file`."""
 
     def __init__(self, receivers: Sequence[Any], directory: str | None = None) -> None:
-        import os
         import tempfile
 
         base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.dir = tempfile.mkdtemp(prefix="draft_opd_ray_sync_", dir=base)
         self.receivers = list(receivers)
         self.version = 0
-        self._pending: list[tuple[str, list[Any]]] = []  # (file, its loads)
+        self._pending: list[tuple[str, list[Any]]] = []  # (slot file, its loads)
+        self._free: list[str] = []  # slot files no receiver is reading
+        self._slots = 0
 
     def publish(self, version: int, weights: dict[str, Any]) -> None:
-        import os
-
-        from safetensors.torch import save_file
-
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
-        path = os.path.join(self.dir, f"v{version}.safetensors")
-        save_file({k: v.contiguous() for k, v in weights.items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
         self._reap(block=False)
+        if self._free:
+            path = self._free.pop()
+        else:
+            path = os.path.join(self.dir, f"slot{self._slots}.safetensors")
+            self._slots += 1
+        write_safetensors(path, weights)
         self._pending.append(
             (path, [r.load_draft_weights_file.remote(path, version) for r in self.receivers])
         )
         self.version = version
 
-    def _reap(self, block: bool) -> list[int]:
-        import os
+    @property
+    def slots(self) -> int:
+        """Slot files made so far (2 when receivers keep up: one being read, one being written)."""
+        return self._slots
 
+    def _reap(self, block: bool) -> list[int]:
         import ray
 
         done: list[int] = []
@@ -98,8 +158,7 @@ class SharedFileWeightSync:
         for path, refs in self._pending:
             if block or all(_done(r) for r in refs):
                 done += ray.get(refs)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+                self._free.append(path)
             else:
                 keep.append((path, refs))
         self._pending = keep

@@ -131,3 +131,21 @@ def test_topk_payload_is_the_full_teacher_top_k_and_trains(setup) -> None:
     lt = learner("topk")
     losses = [lt.step([top])["loss"] for _ in range(4)]
     assert losses[-1] < losses[0], losses
+
+
+def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
+    from types import SimpleNamespace
+
+    from draft_opd_ray.learner import split_mini_batches
+
+    sizes = [5, 1, 7, 3, 3, 9, 2, 2]
+    batch = [SimpleNamespace(anchor_pos=list(range(n)), i=i) for i, n in enumerate(sizes)]
+    for parts in (1, 2, 3, 4, 8, 20):
+        groups = split_mini_batches(batch, parts)  # type: ignore[arg-type]
+        assert [b.i for g in groups for b in g] == list(range(len(sizes)))  # every sequence once, in order
+        assert all(groups) and len(groups) == min(parts, len(sizes))
+        if parts > 1:
+            loads = [sum(len(b.anchor_pos) for b in g) for g in groups]
+            assert max(loads) <= sum(sizes) / len(groups) + max(sizes), loads
+    with pytest.raises(ValueError, match="mini_batches"):
+        split_mini_batches(batch, 0)  # type: ignore[arg-type]

@@ -271,6 +271,7 @@ class LearnerConfig:
 
     zero_stage: int = 0
     micro_batch_anchors: int = 64
+    mini_batches: int = 1  # optimizer updates per Draft-OPD step (the step's anchors split by sequence)
     dtype: str = "bfloat16"
     backend: str = "auto"  # auto: nccl on GPUs, gloo on CPU
 
@@ -281,6 +282,7 @@ class LearnerConfig:
             f"must be 0, 1, 2 or 3, got {self.zero_stage}",
         )
         _check(self.micro_batch_anchors >= 1, "learner.micro_batch_anchors", "must be >= 1")
+        _check(self.mini_batches >= 1, "learner.mini_batches", f"must be >= 1, got {self.mini_batches}")
         _one_of(self.dtype, "learner.dtype", ("float32", "bfloat16", "float16"))
         _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
 

@@ -198,11 +198,11 @@ class SpecDecodeEngine:
         worker process reads; vLLM's reloader needs every weight, not a subset."""
         import tempfile
 
-        from safetensors.torch import save_file
+        from draft_opd_ray.weight_sync import write_safetensors
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.NamedTemporaryFile(dir=shm, prefix="draft_opd_ray_", suffix=".safetensors") as f:
-            save_file({k: v.contiguous() for k, v in weights.items()}, f.name)
+            write_safetensors(f.name, weights)
             self.load_draft_weights_file(f.name, version)
 
     def load_draft_weights_file(self, path: str, version: int) -> None:
