@@ -99,10 +99,6 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
 
             from draft_opd_ray.opd import run_opd
 
-            if cfg.draft.kind != "eagle3":
-                raise ConfigError(
-                    f"draft.kind: the opd stage trains eagle3 drafts so far, got {cfg.draft.kind!r}"
-                )
             draft = draft or initial_draft(cfg, target, rd)
             start_draft = draft
             ray.init(

@@ -76,6 +76,7 @@ class Learner:
         draft_dir: str,
         target: str,
         *,
+        kind: str = "eagle3",
         spec: LossSpec,
         lr: float,
         betas: Sequence[float],
@@ -89,13 +90,14 @@ class Learner:
     ) -> None:
         import deepspeed
 
-        from draft_opd_ray.models.eagle3 import load_eagle3
+        from draft_opd_ray.students import make_student
 
         if num_threads:
             torch.set_num_threads(num_threads)
         _init_single_process_group()
         self.target = target
-        self.model = load_eagle3(draft_dir, target)
+        self.student = make_student(kind, draft_dir, target)
+        self.model = self.student.model
         self.spec = spec
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
@@ -143,22 +145,18 @@ class Learner:
         global_den = denominator(acc, valid, K, self.spec)
         if global_den <= 0:
             return {"skipped": 1.0}
-        from draft_opd_ray.flops import eagle3_block_flops
-
         total = None
         sums: dict[str, float] = {}
         flops = 0.0
         for b in batch:  # one micro-batch per sequence; gradients add up to the whole-batch gradient
-            hidden = self.model.block_hidden(
-                b.input_ids[None], b.features[None], b.anchor_pos[None], b.drafted[None]
-            )[0]
+            hidden = self.student.block_hidden(b)  # (N, K, H)
             mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
             inputs: FullInputs | TopkInputs
             if self.spec.estimator == "topk":
                 if b.teacher_topk_ids is None or b.teacher_topk_logprobs is None:
                     raise ValueError("loss.estimator=topk needs the replay's topk payload")
                 inputs = TopkInputs(
-                    student_logits=self.model.lm_head(hidden[mask]),
+                    student_logits=hidden[mask] @ self.student.lm_head.T,
                     teacher_ids=b.teacher_topk_ids[mask],
                     teacher_logprobs=b.teacher_topk_logprobs[mask],
                 )
@@ -167,11 +165,11 @@ class Learner:
                     raise ValueError(f"loss.estimator={self.spec.estimator} needs the replay's full payload")
                 inputs = FullInputs(
                     hidden=hidden[mask],
-                    lm_head=self.model.lm_head.weight,
+                    lm_head=self.student.lm_head,
                     teacher_logits=b.teacher_logprobs[mask],
                 )
             terms = objective_terms(inputs, b.accepted, b.valid_len, K, self.spec)
-            flops += eagle3_block_flops(self.model.config, len(b.input_ids), len(b.anchor_pos), K).total
+            flops += self.student.flops(b)
             part = terms.numerator / global_den
             total = part if total is None else total + part
             for k, v in terms.metrics.items():
@@ -181,7 +179,7 @@ class Learner:
         self.engine.backward(total)
         self.engine.step()
         return {
-            "loss": float(total),
+            "loss": float(total.detach()),
             "anchors": float(len(acc)),
             "denominator": global_den,
             "flops_draft_step": flops,
@@ -189,17 +187,11 @@ class Learner:
         }
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
-        """The draft's weights in checkpoint names, without the (frozen, shared) target embedding."""
-        skip = {"embed_tokens.weight"}
-        if self.model.config.draft_vocab_size == self.model.config.vocab_size:
-            skip |= {"d2t", "t2d"}
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k not in skip}
+        """The draft's weights in the names its exported folder (and so vLLM's reloader) uses."""
+        return self.student.rollout_state()
 
     def save(self, out_dir: str) -> str:
-        from draft_opd_ray.models.eagle3 import save_eagle3
-
-        save_eagle3(self.model, out_dir, self.target)
-        return out_dir
+        return self.student.save(out_dir)
 
     def optimizer_state(self) -> dict[str, Any]:
         return {

@@ -56,9 +56,9 @@ def start_actors(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from draft_opd_ray.learner import Learner
-    from draft_opd_ray.models.eagle3 import load_eagle3
     from draft_opd_ray.replay import ReplayActor
     from draft_opd_ray.rollout.worker import RolloutWorker
+    from draft_opd_ray.students import replay_needs
 
     slots = [s for s in plan.slots if s.role != DRIVER]
     bundles = [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
@@ -96,21 +96,21 @@ def start_actors(
         )
         for s in plan.of(ROLLOUT)
     ]
-    head = load_eagle3(draft_dir, target)
-    draft_ids = (
-        head.draft_ids_in_target.tolist() if head.config.draft_vocab_size < head.config.vocab_size else None
-    )
+    feature_ids, draft_ids = replay_needs(cfg.draft.kind, draft_dir, target)
     replay = (
         ray.remote(ReplayActor)
         .options(**opts(REPLAY, 0))
         .remote(
             target,
-            aux_layer_ids=list(head.config.aux_layer_ids),
+            aux_layer_ids=feature_ids,
             draft_ids=draft_ids,
             k=cfg.draft.num_speculative_tokens,
             num_threads=1 if cpu else None,
             payload="topk" if cfg.loss.estimator == "topk" else "full",
             topk=cfg.replay.topk,
+            mode=cfg.replay.mode,
+            draft_kind=cfg.draft.kind,
+            draft_dir=draft_dir,
         )
     )
     o = cfg.optim
@@ -120,6 +120,7 @@ def start_actors(
         .remote(
             draft_dir,
             target,
+            kind=cfg.draft.kind,
             spec=loss_spec(cfg),
             lr=o.lr,
             betas=o.betas,
@@ -145,8 +146,9 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
         seed=seed,
     )
     items = []
+    redraft = cfg.replay.mode == "redraft"
     for q, group in itertools.groupby(anchors, key=lambda x: x.request):
-        group_l = [g for g in group if g.drafted]  # recorded replay: random positions need redraft
+        group_l = [g for g in group if g.drafted or redraft]  # random positions have no recorded block
         if not group_l:
             continue
         r = records[q]
@@ -154,21 +156,21 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
             ReplayItem(
                 r.prompt_ids + r.response_ids,
                 [g.pos for g in group_l],
-                [list(g.drafted) for g in group_l],
-                [g.accepted for g in group_l],
-                group_l[0].policy_version,
+                [list(g.drafted) for g in group_l],  # redraft replaces them
+                [max(0, g.accepted) for g in group_l],
+                max(0, group_l[0].policy_version),
             )
         )
     return items
 
 
-def make_weight_sync(cfg: Config, workers: Sequence[Any]) -> WeightSync:
+def make_weight_sync(cfg: Config, receivers: Sequence[Any]) -> WeightSync:
     """rollout.weight_sync: auto = one shared-memory file per version on a single node, Ray's object store
-    across nodes."""
+    across nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
     kind = cfg.rollout.weight_sync
     if kind == "auto":
         kind = "shm_file" if cfg.cluster.num_nodes == 1 else "object_store"
-    return SharedFileWeightSync(workers) if kind == "shm_file" else ObjectStoreWeightSync(workers)
+    return SharedFileWeightSync(receivers) if kind == "shm_file" else ObjectStoreWeightSync(receivers)
 
 
 def scored_tokens(t: Any) -> int:
@@ -248,7 +250,9 @@ def run_opd(
         # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
         # round would look start_step versions stale and be dropped)
         ray.get([w.set_version.remote(start_step) for w in workers])
-    sync = make_weight_sync(cfg, workers)
+        if cfg.replay.mode == "redraft":
+            ray.get(replay.set_draft_version.remote(start_step))
+    sync = make_weight_sync(cfg, [*workers, replay] if cfg.replay.mode == "redraft" else workers)
     sync.version = start_step
     sampling = Sampling(
         temperature=cfg.rollout.temperature,

@@ -9,14 +9,25 @@ For one committed sequence x (prompt + response, length T) and its anchors (n, y
   itself), so the shared prefix is scored once and a sequence with all its anchors costs one forward over
   T + (branch tokens) -- P4 in docs/benchmarks.md.
 Teacher log-probs ship in the draft's vocabulary (EAGLE-3: the d2t ids, renormalised).
+
+`replay.mode`: "recorded" scores the blocks the rollout recorded (one forward per sequence). "redraft" first
+re-runs the CURRENT draft (the actor holds a copy; the weight sync publishes to it like to the rollout workers)
+greedily from every anchor, then scores those blocks: a forward over x for the features the draft conditions on
+(none for a standalone LM), the draft's blocks, then the packed forward above. Redrafted blocks take as
+"accepted" their leading agreement with the committed stream, which under greedy rollouts is the target's greedy
+acceptance; random anchors (no recorded block) need this mode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from draft_opd_ray.models.eagle3 import Eagle3Draft
 
 
 @dataclass
@@ -65,12 +76,28 @@ class ReplayActor:
         num_threads: int | None = None,
         payload: str = "full",
         topk: int = 32,
+        mode: str = "recorded",
+        draft_kind: str | None = None,
+        draft_dir: str | None = None,
     ) -> None:
         """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
-        "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk)."""
+        "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk).
+        mode "redraft" needs the draft (``draft_kind``, ``draft_dir``) and takes its later versions through
+        ``load_draft_weights_file`` / ``load_draft_weights``."""
         if payload not in ("full", "topk"):
             raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
-        self.payload, self.topk = payload, topk
+        if mode not in ("recorded", "redraft"):
+            raise ValueError(f"mode must be 'recorded' or 'redraft', got {mode!r}")
+        self.payload, self.topk, self.mode = payload, topk, mode
+        self.student = None
+        self.draft_version = 0
+        if mode == "redraft":
+            if draft_kind is None or draft_dir is None:
+                raise ValueError("replay mode redraft needs draft_kind and draft_dir")
+            from draft_opd_ray.students import make_student
+
+            self.student = make_student(draft_kind, draft_dir, target)
+            self.student.model.eval()
         from transformers import AutoModelForCausalLM
 
         if num_threads:
@@ -82,7 +109,63 @@ class ReplayActor:
 
     @torch.no_grad()
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
+        if self.mode == "redraft":
+            items = [self._redraft(it) for it in items]
         return [self._score_one(it) for it in items]
+
+    # ---- redraft: the current draft's own blocks -----------------------------------------------------------
+
+    def load_draft_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """A new draft version (the names of `Learner.rollout_state`); redraft uses it from the next call on."""
+        if self.student is None:
+            raise RuntimeError("this replay actor holds no draft (replay mode recorded)")
+        own = self.student.model.state_dict()
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise ValueError(f"draft weights with unknown names: {unknown[:5]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                own[name].copy_(value)
+        self.draft_version = int(version)
+        return self.draft_version
+
+    def set_draft_version(self, version: int) -> int:
+        """The version of the weights it was built with (a resumed run starts at its checkpoint's)."""
+        self.draft_version = int(version)
+        return self.draft_version
+
+    def load_draft_weights_file(self, path: str, version: int) -> int:
+        from safetensors.torch import load_file
+
+        return self.load_draft_weights(load_file(path), version)
+
+    def _redraft(self, it: ReplayItem) -> ReplayItem:
+        """`it` with the current draft's greedy blocks from its anchors."""
+        from draft_opd_ray.students import DFlashStudent, Eagle3Student
+
+        assert self.student is not None
+        ids = torch.tensor(it.input_ids)
+        anchors = torch.tensor(it.anchor_pos)
+        K = self.k
+        if isinstance(self.student, Eagle3Student | DFlashStudent):
+            out = self.model(ids[None], output_hidden_states=True, use_cache=False)
+            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
+            if isinstance(self.student, Eagle3Student):
+                blocks = _eagle3_greedy(self.student.model, ids, feats, anchors, K)
+            else:  # DFlash: all offsets in one parallel pass
+                m = self.student.model
+                blocks = m.logits(m(ids[None], feats[None], anchors[None])[0][:, 1 : K + 1]).argmax(-1)
+        else:
+            blocks = _lm_greedy(self.student.model, it.input_ids, it.anchor_pos, K)
+        drafted, accepted = [], []
+        for n, y in zip(it.anchor_pos, blocks.tolist()):  # the stream ends at T-1: a <= T-1-n
+            stream = it.input_ids[n + 1 : n + 1 + len(y)]
+            a = 0
+            while a < len(stream) and a < len(y) and y[a] == stream[a]:
+                a += 1
+            drafted.append(y)
+            accepted.append(a)
+        return ReplayItem(it.input_ids, list(it.anchor_pos), drafted, accepted, self.draft_version)
 
     def _to_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.draft_ids is not None:
@@ -96,11 +179,15 @@ class ReplayActor:
             packed.input_ids[None],
             attention_mask=packed.mask[None, None],
             position_ids=packed.position_ids[None],
-            output_hidden_states=True,
+            output_hidden_states=bool(self.aux),
             use_cache=False,
         )
         logits = out.logits[0]  # (T + B, V)
-        feats = torch.cat([out.hidden_states[i][0, :T] for i in self.aux], dim=-1)  # (T, A*H)
+        feats = (  # (T, A*H); a standalone draft needs none
+            torch.cat([out.hidden_states[i][0, :T] for i in self.aux], dim=-1)
+            if self.aux
+            else logits.new_zeros(T, 0)
+        )
         drafted = torch.zeros(N, K, dtype=torch.long)
         valid = torch.zeros(N, dtype=torch.long)
         acc = torch.zeros(N, dtype=torch.long)
@@ -178,3 +265,52 @@ def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
         allowed[start : start + length, start : start + length] = torch.ones(length, length).tril().bool()
     mask = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))
     return PackedBranches(torch.tensor(ids), torch.tensor(pos), mask, rows)
+
+
+def _eagle3_greedy(
+    head: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, k: int
+) -> torch.Tensor:
+    """(N, k) target ids the EAGLE-3 head drafts greedily from every anchor at once (its vLLM unroll)."""
+    toks: list[torch.Tensor] = []
+
+    def feed(_: int, h: torch.Tensor) -> torch.Tensor:
+        t = head.draft_ids_in_target[head.logits(h).argmax(-1)]
+        toks.append(t)
+        return t
+
+    valid = torch.ones(1, len(ids), dtype=torch.bool)
+    last = head._unroll(ids[None], feats[None], anchors[None], k, feed, valid)[-1]
+    feed(k, last)
+    return torch.stack(toks, dim=-1)[0]
+
+
+def _lm_greedy(model: torch.nn.Module, ids: list[int], anchors: list[int], k: int) -> torch.Tensor:
+    """(N, k) greedy blocks of a causal LM draft from every anchor: k tree-masked forwards over the sequence plus
+    each anchor's partial block (branch at positions n+1.., seeing x_{<=n} and itself)."""
+    T, N = len(ids), len(anchors)
+    blocks = torch.zeros(N, k, dtype=torch.long)
+    for r in range(k):
+        toks, pos = list(ids), list(range(T))
+        last_rows = []
+        spans = []
+        for j, n in enumerate(anchors):
+            start = len(toks)
+            toks += blocks[j, :r].tolist()
+            pos += list(range(n + 1, n + 1 + r))
+            spans.append((start, r, n))
+            last_rows.append(start + r - 1 if r else n)
+        L = len(toks)
+        allowed = torch.ones(L, L, dtype=torch.bool).tril()
+        allowed[T:, :] = False
+        for start, length, n in spans:
+            allowed[start : start + length, : n + 1] = True
+            allowed[start : start + length, start : start + length] = torch.ones(length, length).tril().bool()
+        mask = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))
+        logits = model(  # type: ignore[operator]
+            input_ids=torch.tensor(toks)[None],
+            attention_mask=mask[None, None],
+            position_ids=torch.tensor(pos)[None],
+            use_cache=False,
+        ).logits[0]
+        blocks[:, r] = logits[torch.tensor(last_rows)].argmax(-1)
+    return blocks

@@ -1,5 +1,6 @@
 """Replay (teacher on the draft's own blocks, branches packed into one tree-masked forward) against naive
-per-anchor forwards, and the DeepSpeed learner stepping the EAGLE-3 student on the acceptance-aware objective."""
+per-anchor forwards, and the DeepSpeed learner stepping each draft kind's student on the acceptance-aware
+objective (the standalone student's block distributions against naive per-position forwards)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,144 @@ def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
             assert max(loads) <= sum(sizes) / len(groups) + max(sizes), loads
     with pytest.raises(ValueError, match="mini_batches"):
         split_mini_batches(batch, 0)  # type: ignore[arg-type]
+
+
+def _spec(estimator: str = "full") -> LossSpec:
+    return LossSpec(0.8, 1.0, 1.0, "all", estimator, "mixed", 10.0, 8192)
+
+
+def _learner(draft, target, kind: str, estimator: str = "full"):
+    from draft_opd_ray.learner import Learner
+
+    return Learner(
+        str(draft),
+        str(target),
+        kind=kind,
+        spec=_spec(estimator),
+        lr=3e-3,
+        betas=[0.9, 0.95],
+        weight_decay=0.0,
+        warmup_ratio=0.0,
+        schedule="constant",
+        total_steps=10,
+        zero_stage=0,
+        grad_clip=1.0,
+    )
+
+
+def test_standalone_student_matches_naive_forward_and_trains(setup, tmp_path) -> None:
+    """q_k of a standalone LM draft is its distribution after x_{<=n} y_{<k}: the learner gets it for every anchor
+    and position from one tree-masked forward, equal to one full forward per position."""
+    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.students import StandaloneStudent, replay_needs
+
+    target, _, _, item, K = setup
+    draft = build_standalone_from_target(target, tmp_path / "sa", num_layers=1)
+    feats, ids = replay_needs("standalone", str(draft), str(target))
+    assert feats == [] and ids is None
+    (t,) = ReplayActor(str(target), aux_layer_ids=feats, draft_ids=ids, k=K).score([item])
+    assert t.features.shape == (len(item.input_ids), 0)
+    student = StandaloneStudent(str(draft), str(target))
+    with torch.no_grad():
+        got = torch.log_softmax(student.block_hidden(t) @ student.lm_head.T, -1)
+    naive = load_standalone(draft).eval()
+    for j, (n, y) in enumerate(zip(item.anchor_pos, item.drafted)):
+        for k in range(1, int(t.valid_len[j]) + 1):
+            ctx = item.input_ids[: n + 1] + y[: k - 1]
+            with torch.no_grad():
+                want = torch.log_softmax(naive(torch.tensor([ctx])).logits[0, -1], -1)
+            assert torch.allclose(got[j, k - 1], want, atol=1e-4), (j, k)
+    learner = _learner(draft, target, "standalone")
+    before = learner.rollout_state()
+    losses = [learner.step([t])["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+    assert "lm_head.weight" not in before  # tied: written once, as save_pretrained does
+    out = learner.save(str(tmp_path / "sa_out"))
+    reloaded = load_standalone(out, target)
+    assert torch.equal(
+        reloaded.state_dict()["model.layers.0.mlp.up_proj.weight"],
+        learner.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
+
+
+def test_dflash_student_trains_on_replayed_blocks(setup, tmp_path) -> None:
+    """A DFlash student drafts all K offsets in one pass from the target features before the anchor; the learner
+    steps it on the same replayed teacher (features of its own target layers) and exports a loadable drafter."""
+    from draft_opd_ray.models.dflash import init_dflash, load_dflash, save_dflash
+    from draft_opd_ray.students import DFlashStudent, replay_needs
+
+    target, _, _, item, K = setup
+    draft = save_dflash(init_dflash(target, num_layers=1, block_size=K + 1), tmp_path / "df", target)
+    feats, ids = replay_needs("dflash", str(draft), str(target))
+    (t,) = ReplayActor(str(target), aux_layer_ids=feats, draft_ids=ids, k=K).score([item])
+    student = DFlashStudent(str(draft), str(target))
+    with torch.no_grad():  # one anchor at a time gives the same block states (blocks are isolated)
+        whole = student.block_hidden(t)
+        one = student.model(t.input_ids[None], t.features[None], t.anchor_pos[None, 2:3])[0, 0, 1 : K + 1]
+    assert whole.shape == (len(item.anchor_pos), K, student.model.config.hidden_size)
+    assert torch.allclose(whole[2], one, atol=1e-5)
+    learner = _learner(draft, target, "dflash")
+    losses = [learner.step([t])["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+    load_dflash(learner.save(str(tmp_path / "df_out")), target)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "standalone", "dflash"])
+def test_redraft_blocks_are_the_current_drafts_greedy_proposals(setup, tmp_path, kind: str) -> None:
+    """replay.mode=redraft: every anchor's block equals what the draft proposes from that prefix alone (its
+    vLLM-equivalent `propose`, or HF greedy generation for a standalone LM), acceptance is the leading agreement
+    with the committed stream, and a published weight version changes the blocks."""
+    from draft_opd_ray.models.dflash import init_dflash, save_dflash
+    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.students import make_student, replay_needs
+
+    target, eagle_dir, model, item, K = setup
+    if kind == "eagle3":
+        draft = eagle_dir
+    elif kind == "standalone":
+        draft = build_standalone_from_target(target, tmp_path / "sa", num_layers=2)
+    else:
+        draft = save_dflash(init_dflash(target, num_layers=1, block_size=K + 1), tmp_path / "df", target)
+    feats, ids = replay_needs(kind, str(draft), str(target))
+    replay = ReplayActor(
+        str(target),
+        aux_layer_ids=feats,
+        draft_ids=ids,
+        k=K,
+        mode="redraft",
+        draft_kind=kind,
+        draft_dir=str(draft),
+    )
+    (t,) = replay.score([item])
+    seq = torch.tensor(item.input_ids)
+    with torch.no_grad():
+        hs = model(seq[None], output_hidden_states=True).hidden_states
+        f = torch.cat([hs[i] for i in feats], dim=-1) if feats else None
+        ref = make_student(kind, str(draft), str(target)).model.eval()
+        lm = load_standalone(draft).eval() if kind == "standalone" else None
+        for j, n in enumerate(item.anchor_pos):
+            if lm is not None:
+                out = lm.generate(seq[None, : n + 1], max_new_tokens=K, do_sample=False, min_new_tokens=K)
+                want = out[0, n + 1 :]
+            else:
+                want = ref.propose(seq[None, : n + 1], f[:, : n + 1], torch.tensor([n + 1]), K)[0][0]
+            assert t.drafted[j].tolist() == want.tolist(), (kind, j)
+            stream = item.input_ids[n + 1 : n + 1 + K]
+            a = next(
+                (i for i, (x, y) in enumerate(zip(want.tolist(), stream)) if x != y), min(K, len(stream))
+            )
+            assert int(t.accepted[j]) == a
+    # a new version of the draft: different blocks from the next call on
+    sd = make_student(kind, str(draft), str(target)).rollout_state()
+    g = torch.Generator().manual_seed(1)
+    noisy = {
+        k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g)
+        if v.is_floating_point() and v.dim() == 2
+        else v
+        for k, v in sd.items()
+    }
+    assert replay.load_draft_weights(noisy, 3) == 3
+    (t2,) = replay.score([item])
+    assert t2.policy_version == 3 and not torch.equal(t2.drafted, t.drafted)
+    with pytest.raises(ValueError, match="unknown names"):
+        replay.load_draft_weights({"nope.weight": torch.zeros(1)}, 4)

@@ -106,23 +106,23 @@ def _check_lengths(cfg: Config) -> None:
 
 def _check_training(cfg: Config) -> None:
     """What the sft/opd stages can run today, refused before anything loads."""
-    if ("sft" in cfg.stages or "opd" in cfg.stages) and cfg.draft.kind != "eagle3" and cfg.draft.path is None:
-        stage = "sft" if "sft" in cfg.stages else "opd"
+    if "sft" in cfg.stages and cfg.draft.kind != "eagle3":
         raise ConfigError(
-            f"draft.kind: the {stage} stage trains eagle3 drafts so far, got {cfg.draft.kind!r} "
-            "(evaluate other kinds with stages=[eval] draft.path=...)"
+            f"draft.kind: the sft stage trains eagle3 drafts so far, got {cfg.draft.kind!r} "
+            "(post-train a standalone or dflash draft with stages=[opd,eval] draft.path=...)"
         )
     if "opd" not in cfg.stages:
         return
-    if cfg.draft.kind != "eagle3":
-        raise ConfigError(f"draft.kind: the opd stage trains eagle3 drafts so far, got {cfg.draft.kind!r}")
+    if cfg.draft.kind != "eagle3" and cfg.draft.path is None and "sft" not in cfg.stages:
+        raise ConfigError(
+            f"draft.path: the opd stage post-trains an existing {cfg.draft.kind} draft; give its folder "
+            "(only an eagle3 head can start from scratch)"
+        )
     if cfg.loss.estimator == "token":
         raise ConfigError(
             "loss.estimator: the opd stage ships full or top-k teacher distributions; use full or topk "
             "(token is available in draft_opd_ray.algo.loss for custom loops)"
         )
-    if cfg.replay.mode == "redraft":
-        raise ConfigError("replay.mode: redraft is not available yet in the opd stage; use recorded")
     if cfg.anchor.policy == "random" and cfg.replay.mode == "recorded":
         raise ConfigError(
             "anchor.policy: random anchors fall between recorded blocks, so recorded replay has nothing to "
