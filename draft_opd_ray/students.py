@@ -144,7 +144,7 @@ class StandaloneStudent:
         from draft_opd_ray.flops import target_forward_flops
 
         tokens = len(b.input_ids) + int((b.valid_len - b.accepted - 1).clamp(min=0).sum())
-        return 3.0 * target_forward_flops(_info_of(self.model), 1, tokens)
+        return 3.0 * target_forward_flops(config_info(self.model), 1, tokens)
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """HF names as `save_pretrained` writes them (a tied LM head only once)."""
@@ -199,7 +199,7 @@ class DFlashStudent:
         return out_dir
 
 
-def _info_of(model: Any) -> Any:
+def config_info(model: Any) -> Any:
     """The fields of a TargetInfo that `target_forward_flops` reads, from a transformers model's config."""
     from types import SimpleNamespace
 

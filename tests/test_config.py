@@ -86,7 +86,6 @@ BAD = [
     (["loss.estimator=exact"], 2, "loss.estimator: must be one of"),
     (["loss.estimator=token"], 2, "loss.estimator: the opd stage ships full or top-k"),
     (["anchor.policy=random"], 2, "anchor.policy: random anchors fall between recorded blocks"),
-    (["draft=standalone"], 2, "draft.kind: the sft stage trains eagle3 drafts so far, got 'standalone'"),
     (["draft=dflash", "stages=[opd]"], 2, "draft.path: the opd stage post-trains an existing dflash draft"),
     (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),
     (["rollout.temperature=-1"], 2, "rollout.temperature: must be >= 0"),

@@ -63,3 +63,34 @@ def test_opd_loop_runs_and_resumes(tmp_path: Path) -> None:
     assert rows[-1]["staleness"] == 0 and rows[-1]["dropped_stale"] == 0  # workers resumed at version 2
     assert rows[-1]["policy_version"] == 3
     assert (run_dir / "checkpoints" / "opd" / "latest").read_text().strip() == "step_3"
+
+
+def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tmp_path: Path) -> None:
+    """The same loop with a standalone LM draft served by vLLM's `draft_model`, random anchors and
+    replay.mode=redraft (the replay actor receives every published version and redrafts with it), two optimizer
+    updates per step: the exported draft loads back as a causal LM on the target's vocabulary."""
+    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.models.target import ensure_embedded_target
+    from draft_opd_ray.models.tiny import build_tiny_target
+
+    src = ensure_embedded_target()
+    target = build_tiny_target(tmp_path / "target", tokenizer_from=src, head_dim=32)
+    shutil.copy(src / "chat_template.jinja", target / "chat_template.jinja")
+    draft = build_standalone_from_target(target, tmp_path / "draft", num_layers=1)
+    run_dir = tmp_path / "run"
+    r = run_main(
+        run_dir,
+        target,
+        "draft=standalone",
+        f"draft.path={draft}",
+        "replay.mode=redraft",
+        "anchor.policy=random",
+        "learner.mini_batches=2",
+        "opd.steps=2",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
+    assert [m["step"] for m in rows] == [1, 2] and all(m["loss"] > 0 for m in rows)
+    assert all(m["updates"] == 2 for m in rows) and [m["policy_version"] for m in rows] == [1, 2]
+    out = run_dir / "checkpoints" / "opd" / "step_2" / "draft"
+    load_standalone(out, target)

@@ -1,5 +1,7 @@
-"""EAGLE-3 SFT recipe on a tiny random target: target init reproduces the target's layer, DeepSpeed training
-lowers the loss on a repeated batch, checkpoints are atomic and resume where they stopped, features match."""
+"""SFT recipes on a tiny random target: EAGLE-3 target init reproduces the target's layer, DeepSpeed training
+lowers the loss on a repeated batch, checkpoints are atomic and resume where they stopped, features match; the
+standalone (distillation) and DFlash (random-anchor block loss) recipes train through the same loop and export
+folders their loaders read back; the standalone loss equals a direct soft cross-entropy."""
 
 from __future__ import annotations
 
@@ -131,3 +133,65 @@ def test_stage_logs_trainer_rows_through_the_run_logger(tmp_path: Path) -> None:
     m.close()
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert row["stage"] == "sft" and row["step"] == 3 and row["loss"] == 2.5 and row["acc_0"] == 0.5
+
+
+@pytest.mark.parametrize("kind", ["standalone", "dflash"])
+def test_other_kinds_train_through_the_same_loop(
+    tiny: Path, trajectories: Path, tmp_path: Path, kind: str
+) -> None:
+    from draft_opd_ray.models.dflash import load_dflash
+    from draft_opd_ray.models.standalone import load_standalone
+
+    run_dir = tmp_path / kind
+    rec: list[dict] = []
+    out = run_sft(
+        tiny,
+        trajectories,
+        run_dir,
+        sft=SFTConfig(epochs=50, batch_tokens=4096, lr=3e-3, time_budget_min=5),
+        draft=DraftConfig(kind=kind, num_layers=2, block_size=5, num_speculative_tokens=4),
+        optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
+        learner=LearnerConfig(zero_stage=0, dtype="float32"),
+        cache_dir=run_dir / "cache",
+        max_steps=4,
+        metrics=rec.append,
+        progress=False,
+    )
+    losses = [r["loss"] for r in rec if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert all(r["flops_draft"] > 0 for r in rec if "loss" in r)
+    if kind == "standalone":
+        lm = load_standalone(out, tiny)
+        assert lm.config.num_hidden_layers == 2
+    else:
+        assert load_dflash(out, tiny).config.block_size == 5
+
+
+def test_standalone_kd_loss_is_soft_cross_entropy(tiny: Path) -> None:
+    import tempfile
+
+    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.sft.recipes import standalone_kd_loss
+
+    with tempfile.TemporaryDirectory() as d:
+        lm = load_standalone(build_standalone_from_target(tiny, d, layer_ids=(0, 3)), tiny)
+    g = torch.Generator().manual_seed(0)
+    B, T, k, V = 2, 7, 4, lm.config.vocab_size
+    batch = {
+        "input_ids": torch.randint(3, 300, (B, T), generator=g),
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+        "loss_mask": torch.rand(B, T, generator=g) > 0.3,
+        "topk_ids": torch.randint(0, V, (B, T, k), generator=g),
+        "topk_p": torch.softmax(torch.randn(B, T, k, generator=g), -1),
+        "top1": torch.randint(0, V, (B, T), generator=g),
+    }
+    batch["attention_mask"][1, 5:] = False
+    batch["loss_mask"] &= batch["attention_mask"]
+    loss, _ = standalone_kd_loss(lm, batch, chunk_rows=3)
+    with torch.no_grad():
+        logq = torch.log_softmax(
+            lm(batch["input_ids"], attention_mask=batch["attention_mask"].long()).logits, -1
+        )
+        ce = -(batch["topk_p"] * logq.gather(-1, batch["topk_ids"])).sum(-1)
+        want = ce[batch["loss_mask"]].mean()
+    assert torch.allclose(loss, want, atol=1e-5)

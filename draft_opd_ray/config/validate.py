@@ -106,11 +106,6 @@ def _check_lengths(cfg: Config) -> None:
 
 def _check_training(cfg: Config) -> None:
     """What the sft/opd stages can run today, refused before anything loads."""
-    if "sft" in cfg.stages and cfg.draft.kind != "eagle3":
-        raise ConfigError(
-            f"draft.kind: the sft stage trains eagle3 drafts so far, got {cfg.draft.kind!r} "
-            "(post-train a standalone or dflash draft with stages=[opd,eval] draft.path=...)"
-        )
     if "opd" not in cfg.stages:
         return
     if cfg.draft.kind != "eagle3" and cfg.draft.path is None and "sft" not in cfg.stages:

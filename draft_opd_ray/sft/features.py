@@ -68,8 +68,12 @@ def target_features(
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = torch.tensor(list(s))
         mask[b, : len(s)] = 1
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)  # (B, T, A*H)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(aux_layer_ids))
+    feats = (  # (B, T, A*H); none for a standalone draft
+        torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+        if aux_layer_ids
+        else out.logits.new_zeros(len(seqs), T, 0)
+    )
     logits = out.logits  # (B, T, V)
     top1 = logits.argmax(-1)
     logp = torch.log_softmax(logits[..., draft_ids].float(), dim=-1)  # (B, T, Vd)

@@ -1,4 +1,4 @@
-"""The `sft` stage of a run: target trajectories (cached) → EAGLE-3 SFT → exported draft.
+"""The `sft` stage of a run: target trajectories (cached) → SFT of the configured draft kind → exported draft.
 
 A finished warm start is cached under `<cache>/warm_starts/<key>/draft`, keyed by the target, the prompts and
 the SFT/draft settings, so later runs with the same settings reuse it (`sft.reuse=false` retrains).
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.errors import ConfigError
 
 
 def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
@@ -63,8 +62,6 @@ def run_sft_stage(
     from draft_opd_ray.sft.data import generate_trajectories
     from draft_opd_ray.sft.trainer import run_sft
 
-    if cfg.draft.kind != "eagle3":
-        raise ConfigError(f"draft.kind: the sft stage trains eagle3 drafts so far, got {cfg.draft.kind!r}")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     prompts = list(prompts)[: cfg.sft.num_prompts]
     warm = cache / "warm_starts" / _key(cfg, target, prompts) / "draft"

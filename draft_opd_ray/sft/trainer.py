@@ -40,12 +40,13 @@ import torch
 from tqdm import tqdm
 
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
-from draft_opd_ray.flops import eagle3_train_flops, target_forward_flops
-from draft_opd_ray.models.eagle3 import Eagle3Draft, init_eagle3, load_eagle3, save_eagle3
+from draft_opd_ray.flops import target_forward_flops
+from draft_opd_ray.models.eagle3 import Eagle3Draft, save_eagle3
 from draft_opd_ray.models.standalone import read_target_tensors
 from draft_opd_ray.models.target import read_target_info
 from draft_opd_ray.sft.data import read_trajectories
 from draft_opd_ray.sft.features import FeatureCache, OnTheFlyFeatures, SeqFeatures
+from draft_opd_ray.sft.recipes import build_recipe
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +223,21 @@ def _latest(root: Path) -> Path | None:
     return d if (d / "training_state.pt").is_file() else None
 
 
-def save_checkpoint(engine: Any, state: TrainState, root: Path, target: str | os.PathLike[str]) -> Path:
-    """Atomic checkpoint step_<n>/{draft/, deepspeed/, training_state.pt}, then the ``latest`` pointer."""
+def save_checkpoint(
+    engine: Any,
+    state: TrainState,
+    root: Path,
+    target: str | os.PathLike[str],
+    save_draft: Callable[[Any, Path, str | os.PathLike[str]], Path] | None = None,
+) -> Path:
+    """Atomic checkpoint step_<n>/{draft/, deepspeed/, training_state.pt}, then the ``latest`` pointer.
+    ``save_draft`` exports the draft folder (default: an EAGLE-3 head)."""
     name = f"step_{state.step}"
     tmp, final = root / f".tmp-{name}", root / name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     export = copy.deepcopy(engine.module).float()
-    save_eagle3(export, tmp / "draft", target)
+    (save_draft or save_eagle3)(export, tmp / "draft", target)
     engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
     state.checkpoints = [*state.checkpoints, name]
     torch.save(asdict(state), tmp / "training_state.pt")
@@ -313,20 +321,11 @@ def run_sft(
     rows = read_trajectories(trajectories)
     seqs = [(r.prompt_ids + r.response_ids)[:max_seq_len] for r in rows if r.response_ids]
     plens = [min(len(r.prompt_ids), max_seq_len) for r in rows if r.response_ids]
-    vd = min(draft.draft_vocab_size, info.vocab_size)
-    counts = draft_vocab_counts(seqs, plens, info.vocab_size) if vd < info.vocab_size else None
-    if start_from is not None:
-        model = load_eagle3(start_from, target)
-    else:
-        model = init_eagle3(
-            target, aux_layer_ids=draft.aux_layer_ids, draft_vocab_size=vd, token_counts=counts, seed=seed
-        )
-        if init == "target":
-            init_from_target(model, target)
-        elif init != "random":
-            raise ValueError(f"init must be 'target' or 'random', got {init!r}")
-    model.lm_head.weight.requires_grad_(False)
-    aux, draft_ids = model.config.aux_layer_ids, model.draft_ids_in_target.clone()
+    recipe = build_recipe(
+        target, draft, seqs=seqs, prompt_lens=plens, init=init, start_from=start_from, seed=seed
+    )
+    model = recipe.model
+    aux, draft_ids = recipe.feature_ids, recipe.label_ids
 
     # ---- feature source
     source: FeatureCache | OnTheFlyFeatures
@@ -365,7 +364,7 @@ def run_sft(
         "steps_per_print": 1 << 30,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-    module: Eagle3Draft = engine.module
+    module = engine.module
 
     state = TrainState()
     last = _latest(root) if resume else None
@@ -406,7 +405,7 @@ def run_sft(
                 source.get_many(idx) if isinstance(source, OnTheFlyFeatures) else [source.get(i) for i in idx]
             )
             batch = collate(items, dtype)
-            loss, m = ttt_topk_loss(module, batch, draft.ttt_steps, draft.ttt_decay)
+            loss, m = recipe.loss(module, batch)
             engine.backward(loss)
             engine.step()
             dt = time.monotonic() - tic
@@ -416,7 +415,7 @@ def run_sft(
             state.batch_in_epoch += 1
             state.train_s += dt
             state.tokens += ntok
-            state.flops_draft += eagle3_train_flops(module.config, B, T, draft.ttt_steps).total
+            state.flops_draft += recipe.flops(B, T)
             if isinstance(source, OnTheFlyFeatures) or start_from is not None:
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
@@ -434,11 +433,13 @@ def run_sft(
             emit(rec)
             bar.update(1)
             bar.set_postfix(
-                loss=f"{float(loss.detach()):.3f}", acc0=f"{m.get('acc_0', 0):.2f}", tok_s=f"{ntok / dt:.0f}"
+                loss=f"{float(loss.detach()):.3f}",
+                acc=f"{m.get('acc_0', m.get('acc_1', 0)):.2f}",
+                tok_s=f"{ntok / dt:.0f}",
             )
             if pending and state.budget_s_used >= pending[0]:
                 pending = [p for p in pending if p > state.budget_s_used]
-                final = save_checkpoint(engine, state, root, target)
+                final = save_checkpoint(engine, state, root, target, recipe.save)
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
@@ -446,7 +447,7 @@ def run_sft(
         break
     bar.close()
     if final is None or state.checkpoints[-1] != f"step_{state.step}":
-        final = save_checkpoint(engine, state, root, target)
+        final = save_checkpoint(engine, state, root, target, recipe.save)
     emit(
         {
             "stage": "sft",
