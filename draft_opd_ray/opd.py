@@ -142,7 +142,7 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
         records,
         policy=a.policy,
         max_per_sequence=a.max_per_sequence,
-        max_per_step=min(a.max_per_step, cfg.opd.anchors_per_step),
+        max_per_step=a.max_per_step,
         seed=seed,
     )
     items = []
