@@ -271,7 +271,7 @@ class LearnerConfig:
 
     zero_stage: int = 0
     micro_batch_anchors: int = 64
-    mini_batches: int = 1  # optimizer updates per Draft-OPD step (the step's anchors split by sequence)
+    mini_batches: int = 8  # optimizer updates per Draft-OPD step (the step's sequences split in groups)
     dtype: str = "bfloat16"
     backend: str = "auto"  # auto: nccl on GPUs, gloo on CPU
 
