@@ -290,7 +290,7 @@ def run_opd(
         write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
         items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
         if not items:
-            metrics.log("opd", step, tau=tau(records), skipped="no anchors")
+            metrics.log("opd", step + 1, tau=tau(records), skipped="no anchors")
             continue
         t1 = time.time()
         teacher = ray.get(replay.score.remote(items))
