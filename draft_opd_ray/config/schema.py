@@ -192,7 +192,9 @@ class AnchorConfig:
 
     policy: str = "error"  # error | all | random
     max_per_sequence: int = 64
-    max_per_step: int = 4096  # replay scores whole sequences, so every anchor of a replayed one costs ~nothing
+    max_per_step: int = (
+        4096  # replay scores whole sequences, so every anchor of a replayed one costs ~nothing
+    )
     seed: int = 0
 
     def __post_init__(self) -> None:
