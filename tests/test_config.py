@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -129,3 +130,26 @@ def test_empty_prompt_file_is_rejected_before_anything_loads(tmp_path: Path) -> 
 def test_validate_raises_config_error_in_process() -> None:
     with pytest.raises(ConfigError, match="cluster: the actors need"):
         validate(compose(["+cluster=8xA100", "cluster.learner_ranks=5"]))
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (
+            ["draft.aux_layer_ids=[2,15,30]"],
+            "draft.aux_layer_ids: [30] out of range for a target with 30 layers",
+        ),
+        (
+            ["draft.draft_vocab_size=50000"],
+            "draft.draft_vocab_size: 50000 exceeds the target vocabulary 49152",
+        ),
+        (["draft=standalone", "draft.num_layers=30"], "draft.num_layers: a standalone draft made of target"),
+        (["draft=dflash", "draft.mask_token_id=49152"], "draft.mask_token_id: 49152 is outside the target"),
+    ],
+)
+def test_draft_that_does_not_fit_the_target_is_rejected(overrides: list[str], fragment: str) -> None:
+    """Checked against the target's config (SmolLM2: 30 layers, vocabulary 49,152) before any model loads."""
+    from draft_opd_ray.config.validate import check_draft_fits_target
+
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_draft_fits_target(compose(overrides), num_layers=30, vocab_size=49152)

@@ -161,6 +161,40 @@ def test_jsonl_messages_field_roles_and_system_prompt(tmp_path, tok):
         {"role": "user", "content": "world"},
     )
     assert by_id["jsonl:2"].text == "<s> system : hello world </s> <s> user : world </s> <s> assistant : "
+    # the data set's own answer to the first user turn is kept for SFT (sft.dataset_answers)
+    assert by_id["jsonl:2"].meta["answer"] == "hi"
+    assert "answer" not in by_id["jsonl:1"].meta
+
+
+def test_first_answer_is_the_reply_to_the_first_user_turn():
+    fa = P._first_answer
+    assert (
+        fa([{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": "gpt", "value": "b"}])
+        == "a"
+    )
+    assert (
+        fa(
+            [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "q"},
+                {"role": "x", "content": "a"},
+            ]
+        )
+        == "a"
+    )
+    assert (
+        fa(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "user", "content": "q2"},
+                {"role": "a", "content": "a"},
+            ]
+        )
+        is None
+    )
+    assert fa([{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]) is None
+    assert fa([{"role": "user", "content": "q"}]) is None
+    assert fa("not a list") is None
 
 
 def test_parquet_text_and_messages(tmp_path, tok):

@@ -15,7 +15,13 @@ from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig,
 from draft_opd_ray.models.eagle3 import init_eagle3, load_eagle3
 from draft_opd_ray.models.target import ensure_embedded_target
 from draft_opd_ray.models.tiny import build_tiny_target
-from draft_opd_ray.sft.data import Trajectory, _write, read_trajectories
+from draft_opd_ray.sft.data import (
+    Trajectory,
+    _write,
+    answer_trajectories,
+    mix_trajectories,
+    read_trajectories,
+)
 from draft_opd_ray.sft.features import load_hf_target, target_features
 from draft_opd_ray.sft.trainer import init_from_target, lr_factor, run_sft
 
@@ -195,3 +201,35 @@ def test_standalone_kd_loss_is_soft_cross_entropy(tiny: Path) -> None:
         ce = -(batch["topk_p"] * logq.gather(-1, batch["topk_ids"])).sum(-1)
         want = ce[batch["loss_mask"]].mean()
     assert torch.allclose(loss, want, atol=1e-5)
+
+
+def test_dataset_answers_become_trajectories_and_mix(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_embedded_target())
+    rows = answer_trajectories(
+        [[5, 6], [7], [8]], ["Hello there, friend.", "x " * 50, ""], tok, max_new_tokens=20, eos_token_id=2
+    )
+    assert len(rows) == 2  # the empty answer is dropped
+    assert rows[0].prompt_ids == [5, 6]
+    assert rows[0].response_ids == [*tok("Hello there, friend.", add_special_tokens=False)["input_ids"], 2]
+    assert len(rows[1].response_ids) == 20 and 2 not in rows[1].response_ids  # cut: no end token
+    with pytest.raises(ValueError, match="2 prompts but 1 answers"):
+        answer_trajectories([[1], [2]], ["a"], tok, max_new_tokens=4, eos_token_id=2)
+    base = tmp_path / "base.parquet"
+    _write(base, [Trajectory([1, 2], [3, 4])])
+    mixed = mix_trajectories(base, rows, tmp_path / "cache")
+    assert read_trajectories(mixed) == [Trajectory([1, 2], [3, 4]), *rows]
+    assert mix_trajectories(base, rows, tmp_path / "cache") == mixed  # keyed: written once
+    assert mix_trajectories(base, [], tmp_path / "cache") == base
+
+
+def test_standalone_layers_drop_the_middle_of_the_stack() -> None:
+    from draft_opd_ray.sft.recipes import standalone_layer_ids
+
+    assert standalone_layer_ids(20, 30) == (*range(10), *range(20, 30))
+    assert standalone_layer_ids(3, 30) == (0, 1, 29)
+    assert standalone_layer_ids(1, 30) == (0,)
+    assert standalone_layer_ids(29, 30) == (*range(15), *range(16, 30))
+    with pytest.raises(ValueError, match="1..29 layers"):
+        standalone_layer_ids(30, 30)

@@ -307,14 +307,20 @@ class SFTConfig:
 
     num_prompts: int = 768  # target answers generated with vLLM (CPU: ~5 min; cached)
     max_new_tokens: int = 256
+    # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
+    # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
+    dataset_answers: int = 0
     epochs: int = 20  # passes over the answers; the time budget usually ends training first on CPU
     batch_tokens: int = 2048  # padded tokens per step (smaller batches, more steps: better on a CPU budget)
     lr: float = 1e-3
     time_budget_min: float = 20.0  # feature building + training (the CPU default: ~3 + 17 min)
     reuse: bool = True  # reuse a finished warm start with the same settings from the cache
+    curve_minutes: list[float] = field(default_factory=list)  # extra draft exports at these budget minutes
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
+        _check(self.dataset_answers >= 0, "sft.dataset_answers", "must be >= 0")
+        _check(all(m > 0 for m in self.curve_minutes), "sft.curve_minutes", "values must be > 0")
         _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")
         _check(self.epochs >= 1, "sft.epochs", "must be >= 1")
         _check(self.batch_tokens >= 16, "sft.batch_tokens", "must be >= 16")

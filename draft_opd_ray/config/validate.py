@@ -79,6 +79,11 @@ def check_draft_fits_target(cfg: Config, num_layers: int, vocab_size: int) -> No
         raise ConfigError(
             f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}"
         )
+    if d.kind == "standalone" and d.path is None and not 1 <= d.num_layers < num_layers:
+        raise ConfigError(
+            f"draft.num_layers: a standalone draft made of target layers needs 1..{num_layers - 1} layers "
+            f"(the target has {num_layers}), got {d.num_layers}"
+        )
     if d.kind == "dflash" and d.mask_token_id is not None and not 0 <= d.mask_token_id < vocab_size:
         raise ConfigError(
             f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})"

@@ -4,6 +4,8 @@ Sources (``cfg.source``): ``sharegpt``, ``mtbench``, ``humaneval`` (shipped insi
 ``importlib.util.find_spec`` without importing them) and user files ``jsonl`` / ``parquet``. Every prompt is a
 single user turn (optionally preceded by system messages): the first human turn of a ShareGPT conversation,
 the first MT-Bench turn, the HumanEval code prompt, or a ``text_field`` / ``messages_field`` of a file row.
+Where the conversation holds the assistant's answer to that turn, ``Prompt.meta["answer"]`` keeps it (the SFT
+stage can add these answers, scored by the target, to its data: ``sft.dataset_answers``).
 
 Bad rows are counted in ``PromptSet.skipped`` (reason -> count), never crash a run; a source with no usable
 row at all raises :class:`DataError` naming the config key or file. The train/eval split hashes the prompt
@@ -126,6 +128,27 @@ def _first_user_turn(messages: Any) -> tuple[list[dict[str, str]] | None, str]:
         if role == "user":
             return (out, "") if content.strip() else (None, "empty")
     return None, "non_user_first_turn"
+
+
+def _first_answer(messages: Any) -> str | None:
+    """The assistant turn that answers the first user turn (the data set's own answer), if there is one."""
+    if not isinstance(messages, list):
+        return None
+    seen_user = False
+    for m in messages:
+        if not isinstance(m, dict):
+            return None
+        role, content = m.get("role", m.get("from")), m.get("content", m.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None
+        role = _ROLES.get(role.lower(), "assistant")
+        if role == "user":
+            if seen_user:
+                return None
+            seen_user = True
+        elif role == "assistant" and seen_user:
+            return content if content.strip() else None
+    return None
 
 
 def _row_prompt(row: Any, cfg: Any) -> tuple[list[dict[str, str]] | None, str]:
@@ -259,6 +282,9 @@ def iter_raw_prompts(
             except (KeyError, IndexError, TypeError):
                 skip("malformed")
                 continue
+            answer = _first_answer(turns)
+            if answer is not None:
+                meta = {**meta, "answer": answer}
             if (out := emit(pid, *_first_user_turn(turns), meta)) is not None:
                 yield out
         return
@@ -270,6 +296,9 @@ def iter_raw_prompts(
         meta = {"row": n}
         if isinstance(row, dict) and isinstance(row.get("category"), str):
             meta["category"] = row["category"]
+        mfield = getattr(cfg, "messages_field", None)
+        if mfield and isinstance(row, dict) and (answer := _first_answer(row.get(mfield))) is not None:
+            meta["answer"] = answer
         rid = row.get("id") if isinstance(row, dict) else None
         pid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else f"{source}:{n}"
         if (out := emit(pid, messages, reason, meta)) is not None:

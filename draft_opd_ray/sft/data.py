@@ -3,6 +3,8 @@
 The cache folder is keyed by (target weights, prompt token ids, generation settings): a later run with the
 same inputs reuses it. Generation runs in chunks, each written as its own Parquet part (``prompt_ids``,
 ``response_ids``), so a killed run resumes where it stopped; ``trajectories.parquet`` is written last.
+A data set's own answers can be mixed in (``answer_trajectories`` + ``mix_trajectories``): the target only
+scores them (features and soft labels), which is ~4x cheaper per token here than generating its own.
 Run inside a ``__main__``-guarded process (vLLM spawns its engine core).
 """
 
@@ -15,6 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -118,3 +121,46 @@ def generate_trajectories(
     rows = [t for p in parts for t in read_trajectories(p)]
     _write(final, rows)
     return final
+
+
+def answer_trajectories(
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> list[Trajectory]:
+    """A data set's own answers as trajectories (teacher forcing: the target scores them, it did not write them).
+
+    Each answer is tokenized without special tokens and cut at ``max_new_tokens``; an uncut answer ends with
+    ``eos_token_id`` as the target's own answers do."""
+    if len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    out: list[Trajectory] = []
+    for p, text in zip(prompts, answers):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            continue
+        resp = ids[:max_new_tokens]
+        if len(ids) < max_new_tokens and eos_token_id is not None:
+            resp.append(int(eos_token_id))
+        out.append(Trajectory(list(p), resp))
+    return out
+
+
+def mix_trajectories(
+    path: str | os.PathLike[str], extra: Sequence[Trajectory], cache_dir: str | os.PathLike[str]
+) -> Path:
+    """``path``'s trajectories followed by ``extra``, written once to a cache file keyed by both."""
+    path = Path(path)
+    if not extra:
+        return path
+    h = hashlib.sha256(path.read_bytes())
+    for t in extra:
+        h.update(json.dumps([t.prompt_ids, t.response_ids]).encode())
+    out = Path(cache_dir) / "sft_trajectories" / f"mixed-{h.hexdigest()[:20]}" / FINAL
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write(out, [*read_trajectories(path), *extra])
+    return out

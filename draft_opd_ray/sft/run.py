@@ -1,6 +1,7 @@
-"""End-to-end EAGLE-3 SFT warm start on this machine: trajectories -> training -> vLLM tau (P0).
+"""End-to-end SFT of a draft on this machine: trajectories -> training -> vLLM tau (P0 and the other kinds).
 
     python -m draft_opd_ray.sft.run --run-dir runs/sft --minutes 40 --num-prompts 1536
+    python -m draft_opd_ray.sft.run --kind standalone --num-layers 20 --run-dir runs/sa --minutes 30
 
 Stages (``--stages data,train,eval``): ``data`` generates/reuses cached target trajectories for ShareGPT train
 prompts; ``train`` runs :func:`draft_opd_ray.sft.trainer.run_sft`; ``eval`` serves each exported checkpoint
@@ -36,10 +37,11 @@ def measure_tau(
     k: int,
     max_new_tokens: int,
     ngram: bool = True,
+    kind: str = "eagle3",
 ) -> dict[str, dict[str, float]]:
-    """tau (vLLM's counters and the anchor records) of vLLM's ngram and of each EAGLE-3 draft, greedy, at K=k.
+    """tau (vLLM's counters and the anchor records) of vLLM's ngram and of each ``kind`` draft, greedy, at K=k.
 
-    The EAGLE-3 drafts share one engine: after the first, each is swapped in with ``load_draft_weights``."""
+    The drafts share one engine: after the first, each is swapped in with ``load_draft_weights``."""
     from safetensors.torch import load_file
 
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
@@ -63,7 +65,7 @@ def measure_tau(
             flush=True,
         )
 
-    runs: list[tuple[str, list[Path | None]]] = [("ngram", [None] if ngram else []), ("eagle3", list(drafts))]
+    runs: list[tuple[str, list[Path | None]]] = [("ngram", [None] if ngram else []), (kind, list(drafts))]
     for kind, paths in runs:
         if not paths:
             continue
@@ -87,12 +89,22 @@ def main() -> None:
     ap.add_argument("--stages", default="data,train,eval")
     ap.add_argument("--num-prompts", type=int, default=1536)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--dataset-answers",
+        type=int,
+        default=0,
+        help="data: add this many ShareGPT answers scored by the target (after the first --train-prompts)",
+    )
+    ap.add_argument("--train-prompts", type=int, default=2048, help="data.train.max_prompts of the main run")
     ap.add_argument("--trajectories", type=Path, default=None, help="default: the cached data stage output")
     ap.add_argument("--minutes", type=float, default=40.0, help="budget: feature building + training")
     ap.add_argument("--curve", default="5,10,20", help="extra checkpoint exports at these budget minutes")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--kind", default="eagle3", choices=("eagle3", "standalone", "dflash"))
+    ap.add_argument("--num-layers", type=int, default=None, help="standalone/dflash draft layers")
+    ap.add_argument("--block-size", type=int, default=8, help="dflash block size (K = block size - 1)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--aux-layers", default="", help="comma-separated target layer ids (default: 2,L/2,L-3)")
@@ -124,6 +136,27 @@ def main() -> None:
 
         prompts = prompt_ids("sharegpt", "train", args.num_prompts, target)
         path = generate_trajectories(target, prompts, default_cache_dir(), max_new_tokens=args.max_new_tokens)
+        if args.dataset_answers:
+            from transformers import AutoTokenizer
+
+            from draft_opd_ray.config.schema import Config, DataConfig, SFTConfig
+            from draft_opd_ray.sft.data import answer_trajectories, mix_trajectories
+            from draft_opd_ray.sft.stage import dataset_answers
+
+            tok = AutoTokenizer.from_pretrained(str(target))
+            cfg = Config(
+                data=DataConfig(train=PromptSetConfig(source="sharegpt", split="train")),
+                sft=SFTConfig(dataset_answers=args.dataset_answers),
+            )
+            extra = dataset_answers(cfg, tok, skip=args.train_prompts)
+            rows = answer_trajectories(
+                [p.token_ids for p in extra],
+                [p.meta["answer"] for p in extra],
+                tok,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=tok.eos_token_id,
+            )
+            path = mix_trajectories(path, rows, default_cache_dir())
         print(f"trajectories: {path}")
         args.trajectories = args.trajectories or path
     if "train" in stages:
@@ -140,6 +173,9 @@ def main() -> None:
                 epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, time_budget_min=args.minutes
             ),
             draft=DraftConfig(
+                kind=args.kind,
+                **({"num_layers": args.num_layers} if args.num_layers else {}),
+                block_size=args.block_size,
                 draft_vocab_size=args.draft_vocab,
                 ttt_steps=args.ttt_steps,
                 aux_layer_ids=[int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None,
@@ -160,7 +196,9 @@ def main() -> None:
             (d / "draft" for d in root.glob("step_*")), key=lambda d: int(d.parent.name.split("_")[1])
         )
         prompts = prompt_ids("mtbench", "all", args.eval_prompts, target)
-        res = measure_tau(target, drafts, prompts, args.k, args.max_new_tokens, ngram=not args.no_ngram)
+        res = measure_tau(
+            target, drafts, prompts, args.k, args.max_new_tokens, ngram=not args.no_ngram, kind=args.kind
+        )
         (args.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         (args.run_dir / "eval" / f"{args.eval_name}.json").write_text(json.dumps(res, indent=2) + "\n")
 

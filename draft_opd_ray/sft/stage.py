@@ -17,13 +17,23 @@ from typing import Any
 from draft_opd_ray.config.schema import Config
 
 
+def _sft_key(cfg: Config) -> dict[str, Any]:
+    """The SFT settings that change the trained draft (not reuse or extra exports; dataset_answers once set)."""
+    d = dataclasses.asdict(cfg.sft)
+    for k in ("reuse", "curve_minutes"):
+        d.pop(k)
+    if not d["dataset_answers"]:
+        d.pop("dataset_answers")
+    return d
+
+
 def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
     h = hashlib.sha256()
     h.update(
         json.dumps(
             [
                 target,
-                dataclasses.asdict(cfg.sft),
+                _sft_key(cfg),
                 dataclasses.asdict(cfg.draft),
                 dataclasses.asdict(cfg.optim),
                 cfg.learner.dtype,
@@ -55,16 +65,45 @@ def log_sft_row(metrics: Any, row: dict[str, Any]) -> None:
     metrics.log("sft", int(row.get("step", 0)), **extra)
 
 
+def dataset_answers(cfg: Config, tokenizer: Any, skip: int) -> list[Any]:
+    """``sft.dataset_answers`` prompts of data.train's source and split, after its first ``skip`` (those the
+    run trains and rolls out on), that carry the data set's own answer (``Prompt.meta["answer"]``)."""
+    from draft_opd_ray.data.prompts import load_prompt_set
+
+    n = cfg.sft.dataset_answers
+    if n <= 0:
+        return []
+    more = dataclasses.replace(cfg.data.train, max_prompts=skip + 2 * n)
+    ps = load_prompt_set(
+        more,
+        tokenizer,
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
+        key="data.train",
+    )
+    out = [p for p in ps.prompts[skip:] if p.meta.get("answer")][:n]
+    print(
+        f"[sft] {len(out)} data-set answers (of {n} asked) scored by the target join the SFT data", flush=True
+    )
+    return out
+
+
 def run_sft_stage(
     cfg: Config, *, target: str, prompts: Sequence[list[int]], run_dir: Path, metrics: Any
 ) -> Path:
+    from transformers import AutoTokenizer
+
     from draft_opd_ray.models.target import default_cache_dir
-    from draft_opd_ray.sft.data import generate_trajectories
+    from draft_opd_ray.sft.data import answer_trajectories, generate_trajectories, mix_trajectories
     from draft_opd_ray.sft.trainer import run_sft
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    extra = dataset_answers(cfg, tokenizer, skip=len(prompts))
     prompts = list(prompts)[: cfg.sft.num_prompts]
-    warm = cache / "warm_starts" / _key(cfg, target, prompts) / "draft"
+    warm = (
+        cache / "warm_starts" / _key(cfg, target, [*prompts, *(list(p.token_ids) for p in extra)]) / "draft"
+    )
     if cfg.sft.reuse and (warm / "config.json").is_file():
         print(f"[sft] reusing warm start {warm}", flush=True)
         return warm
@@ -76,6 +115,15 @@ def run_sft_stage(
         max_model_len=cfg.target.max_model_len,
         kvcache_gb=cfg.rollout.kvcache_gb,
     )
+    if extra:
+        rows = answer_trajectories(
+            [p.token_ids for p in extra],
+            [p.meta["answer"] for p in extra],
+            tokenizer,
+            max_new_tokens=cfg.sft.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        traj = mix_trajectories(traj, rows, cache)
     draft = run_sft(
         target,
         traj,
@@ -87,6 +135,7 @@ def run_sft_stage(
         cache_dir=cache,
         resume=cfg.resume,
         seed=cfg.seed,
+        checkpoint_minutes=cfg.sft.curve_minutes,
         metrics=lambda m: log_sft_row(metrics, m),
     )
     release_process_group()
