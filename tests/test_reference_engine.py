@@ -46,6 +46,25 @@ def test_greedy_equals_target_greedy(k: int) -> None:
         assert all(len(d) == k for d in r.drafted)
 
 
+def test_cached_proposals_equal_full_recomputation() -> None:
+    """The drafter's KV-cached, left-padded proposals = k full greedy forwards per prefix, and its q rows are the
+    draft's softmax at each step (temperature 1)."""
+    draft = tiny_lm(64, 1)
+    drafted, q = CausalLMDrafter(draft).propose(PROMPTS, 4, 0.0, None)
+    _, q1 = CausalLMDrafter(draft).propose(PROMPTS, 4, 1.0, torch.Generator().manual_seed(0))
+    for b, p in enumerate(PROMPTS):
+        cur = list(p)
+        for j in range(4):
+            with torch.no_grad():
+                logits = draft(torch.tensor([cur])).logits[0, -1]
+            assert drafted[b][j] == int(logits.argmax())
+            assert q[b, j, drafted[b][j]] == 1.0
+            cur.append(drafted[b][j])
+        with torch.no_grad():
+            first = torch.softmax(draft(torch.tensor([p])).logits[0, -1], -1)
+        torch.testing.assert_close(q1[b, 0], first, atol=1e-5, rtol=1e-4)
+
+
 def test_draft_equal_to_target_accepts_everything() -> None:
     target = tiny_lm(64, 0)
     recs = speculative_generate(target, CausalLMDrafter(target), PROMPTS, k=4, max_new_tokens=21)
