@@ -90,6 +90,7 @@ BAD = [
     (["draft=dflash", "stages=[opd]"], 2, "draft.path: the opd stage post-trains an existing dflash draft"),
     (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),
     (["rollout.temperature=-1"], 2, "rollout.temperature: must be >= 0"),
+    (["sft.trajectory_dtype=float16"], 2, "sft.trajectory_dtype: must be float32 or bfloat16"),
     (["+cluster=8xA100", "cluster.rollout_engines=9"], 2, "the actors need 13 GPUs"),
     (
         ["+cluster=2x8xH100", "cluster.rollout_tensor_parallel=16"],

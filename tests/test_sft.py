@@ -233,3 +233,20 @@ def test_standalone_layers_drop_the_middle_of_the_stack() -> None:
     assert standalone_layer_ids(29, 30) == (*range(15), *range(16, 30))
     with pytest.raises(ValueError, match="1..29 layers"):
         standalone_layer_ids(30, 30)
+
+
+def test_trajectory_cache_key_names_the_generation_precision(tmp_path: Path) -> None:
+    import hashlib
+
+    from draft_opd_ray.sft.data import _target_fingerprint, cache_key
+
+    target = ensure_embedded_target()
+    prompts = [[1, 2, 3], [4]]
+    f32 = cache_key(target, prompts, 256, (2,))
+    # float32 keys are the ones written before the setting existed: old caches stay valid
+    h = hashlib.sha256(_target_fingerprint(target).encode())
+    h.update(json.dumps({"max_new_tokens": 256, "stop": [2], "temperature": 0}).encode())
+    for p in prompts:
+        h.update(json.dumps(p).encode())
+    assert f32 == h.hexdigest()[:20] == cache_key(target, prompts, 256, (2,), "float32")
+    assert cache_key(target, prompts, 256, (2,), "bfloat16") != f32

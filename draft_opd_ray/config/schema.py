@@ -307,6 +307,8 @@ class SFTConfig:
 
     num_prompts: int = 768  # target answers generated with vLLM (CPU: ~5 min; cached)
     max_new_tokens: int = 256
+    # precision vLLM generates the answers in (the contexts only: the soft labels come from a teacher-forced pass)
+    trajectory_dtype: str = "float32"
     # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
     # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
     dataset_answers: int = 0
@@ -320,6 +322,11 @@ class SFTConfig:
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
         _check(self.dataset_answers >= 0, "sft.dataset_answers", "must be >= 0")
+        _check(
+            self.trajectory_dtype in ("float32", "bfloat16"),
+            "sft.trajectory_dtype",
+            f"must be float32 or bfloat16, got {self.trajectory_dtype!r}",
+        )
         _check(all(m > 0 for m in self.curve_minutes), "sft.curve_minutes", "values must be > 0")
         _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")
         _check(self.epochs >= 1, "sft.epochs", "must be >= 1")

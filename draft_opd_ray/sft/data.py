@@ -42,11 +42,18 @@ def _target_fingerprint(target: Path) -> str:
 
 
 def cache_key(
-    target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int]
+    target: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop: Sequence[int],
+    dtype: str = "float32",
 ) -> str:
     h = hashlib.sha256()
     h.update(_target_fingerprint(target).encode())
-    h.update(json.dumps({"max_new_tokens": max_new_tokens, "stop": list(stop), "temperature": 0}).encode())
+    settings: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": list(stop), "temperature": 0}
+    if dtype != "float32":  # float32 keys stay what they were before the setting existed
+        settings["dtype"] = dtype
+    h.update(json.dumps(settings).encode())
     for p in prompts:
         h.update(json.dumps(list(p)).encode())
     return h.hexdigest()[:20]
@@ -84,10 +91,16 @@ def generate_trajectories(
     max_model_len: int = 2048,
     chunk: int = 128,
     kvcache_gb: float = 2.0,
+    dtype: str = "float32",
 ) -> Path:
-    """Greedy target responses for ``prompts`` (token ids); returns the cached ``trajectories.parquet``."""
+    """Greedy target responses for ``prompts`` (token ids); returns the cached ``trajectories.parquet``.
+
+    ``dtype`` is the serving precision: bfloat16 generates ~1.5x faster on a CPU with AVX512-BF16, and its
+    greedy text is the target's own up to rounding (it drifts from the float32 text after some tokens). The
+    trajectories are only the contexts: the soft labels come from the target's teacher-forced forward."""
     target = Path(target)
-    folder = Path(cache_dir) / "sft_trajectories" / cache_key(target, prompts, max_new_tokens, stop_token_ids)
+    key = cache_key(target, prompts, max_new_tokens, stop_token_ids, dtype)
+    folder = Path(cache_dir) / "sft_trajectories" / key
     final = folder / FINAL
     if final.is_file():
         log.info("reusing cached trajectories %s", final)
@@ -105,6 +118,7 @@ def generate_trajectories(
             num_speculative_tokens=1,
             max_model_len=max_model_len,
             kvcache_gb=kvcache_gb,
+            dtype=dtype,
         )
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
         try:

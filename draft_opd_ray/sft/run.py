@@ -95,6 +95,10 @@ def main() -> None:
         default=0,
         help="data: add this many ShareGPT answers scored by the target (after the first --train-prompts)",
     )
+    ap.add_argument(
+        "--traj-dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM precision for the answers"
+    )
+    ap.add_argument("--first-float32", type=int, default=0, help="data: the first N answers in float32 anyway")
     ap.add_argument("--train-prompts", type=int, default=2048, help="data.train.max_prompts of the main run")
     ap.add_argument("--trajectories", type=Path, default=None, help="default: the cached data stage output")
     ap.add_argument("--minutes", type=float, default=40.0, help="budget: feature building + training")
@@ -135,7 +139,19 @@ def main() -> None:
         from draft_opd_ray.sft.data import generate_trajectories
 
         prompts = prompt_ids("sharegpt", "train", args.num_prompts, target)
-        path = generate_trajectories(target, prompts, default_cache_dir(), max_new_tokens=args.max_new_tokens)
+        n32 = len(prompts) if args.traj_dtype == "float32" else min(args.first_float32, len(prompts))
+        path = None
+        if n32:
+            path = generate_trajectories(
+                target, prompts[:n32], default_cache_dir(), max_new_tokens=args.max_new_tokens
+            )
+        if n32 < len(prompts):
+            from draft_opd_ray.sft.data import mix_trajectories, read_trajectories
+
+            rest = generate_trajectories(
+                target, prompts[n32:], default_cache_dir(), max_new_tokens=args.max_new_tokens, dtype=args.traj_dtype
+            )
+            path = mix_trajectories(path, read_trajectories(rest), default_cache_dir()) if path else rest
         if args.dataset_answers:
             from transformers import AutoTokenizer
 

@@ -24,6 +24,8 @@ def _sft_key(cfg: Config) -> dict[str, Any]:
         d.pop(k)
     if not d["dataset_answers"]:
         d.pop("dataset_answers")
+    if d["trajectory_dtype"] == "float32":
+        d.pop("trajectory_dtype")
     return d
 
 
@@ -114,6 +116,7 @@ def run_sft_stage(
         max_new_tokens=cfg.sft.max_new_tokens,
         max_model_len=cfg.target.max_model_len,
         kvcache_gb=cfg.rollout.kvcache_gb,
+        dtype=cfg.sft.trajectory_dtype,
     )
     if extra:
         rows = answer_trajectories(
