@@ -96,10 +96,15 @@ def main() -> None:
         help="data: add this many ShareGPT answers scored by the target (after the first --train-prompts)",
     )
     ap.add_argument(
-        "--traj-dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM precision for the answers"
+        "--traj-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="vLLM precision for the answers",
     )
-    ap.add_argument("--first-float32", type=int, default=0, help="data: the first N answers in float32 anyway")
-    ap.add_argument("--train-prompts", type=int, default=2048, help="data.train.max_prompts of the main run")
+    ap.add_argument(
+        "--first-float32", type=int, default=0, help="data: the first N answers in float32 anyway"
+    )
+    ap.add_argument("--train-prompts", type=int, default=2560, help="data.train.max_prompts of the main run")
     ap.add_argument("--trajectories", type=Path, default=None, help="default: the cached data stage output")
     ap.add_argument("--minutes", type=float, default=40.0, help="budget: feature building + training")
     ap.add_argument("--curve", default="5,10,20", help="extra checkpoint exports at these budget minutes")
@@ -149,7 +154,11 @@ def main() -> None:
             from draft_opd_ray.sft.data import mix_trajectories, read_trajectories
 
             rest = generate_trajectories(
-                target, prompts[n32:], default_cache_dir(), max_new_tokens=args.max_new_tokens, dtype=args.traj_dtype
+                target,
+                prompts[n32:],
+                default_cache_dir(),
+                max_new_tokens=args.max_new_tokens,
+                dtype=args.traj_dtype,
             )
             path = mix_trajectories(path, read_trajectories(rest), default_cache_dir()) if path else rest
         if args.dataset_answers:
