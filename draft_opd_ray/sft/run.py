@@ -145,22 +145,28 @@ def main() -> None:
 
         prompts = prompt_ids("sharegpt", "train", args.num_prompts, target)
         n32 = len(prompts) if args.traj_dtype == "float32" else min(args.first_float32, len(prompts))
-        path = None
+        parts = []  # the first n32 answers in float32, the rest in --traj-dtype
         if n32:
-            path = generate_trajectories(
-                target, prompts[:n32], default_cache_dir(), max_new_tokens=args.max_new_tokens
+            parts.append(
+                generate_trajectories(
+                    target, prompts[:n32], default_cache_dir(), max_new_tokens=args.max_new_tokens
+                )
             )
         if n32 < len(prompts):
+            parts.append(
+                generate_trajectories(
+                    target,
+                    prompts[n32:],
+                    default_cache_dir(),
+                    max_new_tokens=args.max_new_tokens,
+                    dtype=args.traj_dtype,
+                )
+            )
+        path = parts[0]
+        if len(parts) > 1:
             from draft_opd_ray.sft.data import mix_trajectories, read_trajectories
 
-            rest = generate_trajectories(
-                target,
-                prompts[n32:],
-                default_cache_dir(),
-                max_new_tokens=args.max_new_tokens,
-                dtype=args.traj_dtype,
-            )
-            path = mix_trajectories(path, read_trajectories(rest), default_cache_dir()) if path else rest
+            path = mix_trajectories(parts[0], read_trajectories(parts[1]), default_cache_dir())
         if args.dataset_answers:
             from transformers import AutoTokenizer
 
