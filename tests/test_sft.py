@@ -23,7 +23,14 @@ from draft_opd_ray.sft.data import (
     read_trajectories,
 )
 from draft_opd_ray.sft.features import load_hf_target, target_features
-from draft_opd_ray.sft.trainer import init_from_target, lr_factor, run_sft
+from draft_opd_ray.sft.trainer import (
+    collate,
+    init_from_target,
+    lr_factor,
+    run_sft,
+    ttt_anchors,
+    ttt_topk_loss,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -100,6 +107,59 @@ def test_features_topk_renormalised(tiny: Path) -> None:
     assert f.shape == (4, 2 * hf.config.hidden_size) and idx.shape == p.shape == (4, 4) and top1.shape == (4,)
     torch.testing.assert_close(p.sum(-1), torch.ones(4))
     assert int(idx.max()) < draft_ids.numel()
+
+
+def _full_row_ttt_loss(model, b: dict, steps: int, decay: float) -> torch.Tensor:
+    """Brute force: TTT over every row of the sequence (``Eagle3Draft.forward``), masked to the loss rows."""
+    logits = model(b["input_ids"], b["features"], ttt_steps=steps, attention_mask=b["attention_mask"])
+    T, total = b["input_ids"].shape[1], torch.zeros(())
+    for i, lg in enumerate(logits):
+        n = T - i - 1
+        logq = torch.log_softmax(lg[:, :n].float(), -1)
+        m = b["loss_mask"][:, i + 1 :].float()
+        ce = -(b["topk_p"][:, i + 1 :] * logq.gather(-1, b["topk_ids"][:, i + 1 :])).sum(-1)
+        total = total + decay**i * (ce * m).sum() / m.sum().clamp_min(1.0)
+    return total
+
+
+def test_ttt_loss_on_response_anchors_equals_full_row_ttt(tiny: Path) -> None:
+    """The SFT loss unrolls only from rows that are scored; value and gradients equal full-sequence TTT."""
+    from draft_opd_ray.sft.features import SeqFeatures
+
+    g = torch.Generator().manual_seed(3)
+    model = init_eagle3(tiny, draft_vocab_size=128, token_counts=torch.arange(49152, 0, -1))
+    A_H = len(model.config.aux_layer_ids) * model.config.hidden_size
+    items = []
+    for n, p in ((20, 7), (13, 2), (17, 16)):  # lengths, prompt lengths (one response of a single token)
+        items.append(
+            SeqFeatures(
+                torch.randint(3, 300, (n,), generator=g),
+                p,
+                torch.randn(n, A_H, generator=g),
+                torch.randint(0, 128, (n, 4), generator=g),
+                torch.softmax(torch.randn(n, 4, generator=g), -1),
+                torch.randint(3, 300, (n,), generator=g),
+            )
+        )
+    b = collate(items, torch.float32)
+    anchor, valid = ttt_anchors(b["loss_mask"], 3)
+    # sequence 0: loss rows 6..19 -> anchors 4..19 (two prompt rows score later steps); padding after
+    assert anchor[0, : int(valid[0].sum())].tolist() == list(range(4, 20))
+    assert not bool(valid[1, 12:].any()) and anchor[2, : int(valid[2].sum())].tolist() == list(range(13, 17))
+    for steps in (1, 3):
+        model.zero_grad()
+        want = _full_row_ttt_loss(model, b, steps, 0.8)
+        want.backward()
+        g_want = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+        got, metrics = ttt_topk_loss(model, b, steps, 0.8)
+        got.backward()
+        g_got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert len(g_got) == len(g_want) and all(
+            torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(g_got, g_want)
+        )
+        assert set(metrics) == {f"{k}_{i}" for k in ("loss", "acc") for i in range(steps)}
 
 
 def test_lr_schedule() -> None:

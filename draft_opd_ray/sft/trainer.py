@@ -140,32 +140,63 @@ def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch
     return b
 
 
+def ttt_anchors(loss_mask: torch.Tensor, ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the TTT loss needs, as anchors: teacher positions p (1 <= p < T) at which some unrolled step is
+    scored, i.e. ``loss_mask`` holds somewhere in p..p+ttt_steps-1. Returns anchor_pos (B, N) right-padded
+    with 1 and valid (B, N). Prompt rows further from the response than that only serve as keys."""
+    B, T = loss_mask.shape
+    need = loss_mask.clone()
+    for i in range(1, ttt_steps):
+        need[:, : T - i] |= loss_mask[:, i:]
+    need[:, 0] = False
+    counts = need.sum(1)
+    N = max(1, int(counts.max()))
+    pos = torch.arange(T).expand(B, T)
+    # needed positions first (stable), then the rest; the rest become padding
+    order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :N]
+    valid = torch.arange(N)[None] < counts[:, None]
+    anchor = torch.where(valid, pos.gather(1, order), torch.ones_like(order))
+    return anchor, valid
+
+
 def ttt_topk_loss(
     model: Eagle3Draft, batch: dict[str, torch.Tensor], ttt_steps: int, decay: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_i decay^i * soft CE of TTT step i against the target's top-k draft-vocabulary distribution.
 
-    Step i row t predicts x_{t+i+2}, i.e. is scored at teacher position t+i+1 (see eagle3.py). Metrics
-    ``loss_<i>`` and ``acc_<i>`` (draft argmax == target argmax over the full vocabulary)."""
-    steps = model(
-        batch["input_ids"], batch["features"], ttt_steps=ttt_steps, attention_mask=batch["attention_mask"]
-    )
-    ids = model.draft_ids_in_target
-    T = batch["input_ids"].shape[1]
+    TTT is Draft-OPD's student forward with the sequence's own next tokens as the block: from every anchor p
+    (the rows :func:`ttt_anchors` keeps) the head unrolls ``ttt_steps`` steps teacher-forced on x_{p+1}..; step
+    i predicts x_{p+i+1} and is scored at teacher position p+i. This is the full-sequence TTT of
+    ``Eagle3Draft.forward`` restricted to the rows whose loss is counted (same value; the steps after the first
+    and the LM head skip prompt rows, ~1/3 of the work on chat data). Metrics ``loss_<i>`` and ``acc_<i>``
+    (draft argmax == target argmax over the full vocabulary)."""
+    ids_t, mask = batch["input_ids"], batch["loss_mask"]
+    B, T = ids_t.shape
+    anchor, valid = ttt_anchors(mask, ttt_steps)
+    K = ttt_steps
+    # the block y_1..y_K = x_{p+1}..x_{p+K} (step j consumes y_j; clamped: positions past the end are not scored)
+    fed_pos = (anchor[..., None] + torch.arange(1, K + 1)).clamp_max(T - 1)  # (B, N, K)
+    fed = ids_t.gather(1, fed_pos.flatten(1)).view(fed_pos.shape)
+    hidden = model.block_hidden(
+        ids_t, batch["features"], anchor, fed, batch["attention_mask"]
+    )  # (B, N, K, H)
+    draft_ids = model.draft_ids_in_target
     total = torch.zeros(())
     metrics: dict[str, float] = {}
-    for i, logits in enumerate(steps):
-        n = T - i - 1
-        if n <= 0:
+    for i in range(K):
+        tp = anchor + i  # teacher position of step i
+        m = (valid & (tp < T) & mask.gather(1, tp.clamp_max(T - 1))).float()
+        if not bool(m.any()):
             break
-        logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # (B, n, Vd)
-        m = batch["loss_mask"][:, i + 1 :].float()
+        tpc = tp.clamp_max(T - 1)
+        logq = torch.log_softmax(model.lm_head(hidden[:, :, i]).float(), dim=-1)  # (B, N, Vd)
+        k_ids = batch["topk_ids"].gather(1, tpc[..., None].expand(-1, -1, batch["topk_ids"].shape[-1]))
+        k_p = batch["topk_p"].gather(1, tpc[..., None].expand(-1, -1, batch["topk_p"].shape[-1]))
         count = m.sum().clamp_min(1.0)
-        ce = -(batch["topk_p"][:, i + 1 :] * logq.gather(-1, batch["topk_ids"][:, i + 1 :])).sum(-1)  # (B, n)
-        loss_i = (ce * m).sum() / count
+        loss_i = (-(k_p * logq.gather(-1, k_ids)).sum(-1) * m).sum() / count
         total = total + decay**i * loss_i
         with torch.no_grad():
-            hit = (ids[logq.argmax(-1)] == batch["top1"][:, i + 1 :]).float()
+            hit = (draft_ids[logq.argmax(-1)] == batch["top1"].gather(1, tpc)).float()
             metrics[f"loss_{i}"] = float(loss_i)
             metrics[f"acc_{i}"] = float((hit * m).sum() / count)
     return total, metrics
