@@ -162,6 +162,47 @@ def test_ttt_loss_on_response_anchors_equals_full_row_ttt(tiny: Path) -> None:
         assert set(metrics) == {f"{k}_{i}" for k in ("loss", "acc") for i in range(steps)}
 
 
+def test_eagle3_recipe_counts_the_flops_it_runs(tiny: Path) -> None:
+    """The EAGLE-3 recipe's FLOPs per step = what the TTT loss's matmuls do (torch's FLOP counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from draft_opd_ray.sft.features import SeqFeatures
+    from draft_opd_ray.sft.recipes import build_recipe
+
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 22)]
+    recipe = build_recipe(
+        tiny, DraftConfig(draft_vocab_size=256, ttt_steps=3), seqs=seqs, prompt_lens=[12, 5]
+    )
+    A_H = len(recipe.feature_ids) * recipe.model.config.hidden_size
+    items = [
+        SeqFeatures(
+            torch.tensor(s),
+            p,
+            torch.randn(len(s), A_H, generator=g),
+            torch.randint(0, 256, (len(s), 4), generator=g),
+            torch.softmax(torch.randn(len(s), 4, generator=g), -1),
+            torch.tensor(s),
+        )
+        for s, p in zip(seqs, (12, 5))
+    ]
+    b = collate(items, torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = recipe.loss(recipe.model, b)
+        loss.backward()
+    assert recipe.flops(b) == pytest.approx(counter.get_total_flops(), rel=0.05)
+
+
+def test_schedule_spans_the_training_part_of_the_budget() -> None:
+    from draft_opd_ray.sft.trainer import schedule_progress
+
+    # 10 of 33 budget minutes went to the feature cache: training starts at progress 0, in the warm-up
+    assert schedule_progress(0, 1000, 600.0, 1980.0, 600.0) == 0.0
+    assert schedule_progress(0, 1000, 1290.0, 1980.0, 600.0) == pytest.approx(0.5)
+    assert schedule_progress(900, 1000, 700.0, 1980.0, 600.0) == pytest.approx(0.9)  # steps can lead
+    assert schedule_progress(10, 1000, 2100.0, 1980.0, 600.0) == 1.0
+
+
 def test_lr_schedule() -> None:
     assert lr_factor(0.0, 0.1, "cosine") < 0.01 and lr_factor(0.1, 0.1, "cosine") == pytest.approx(1.0)
     assert lr_factor(1.0, 0.1, "cosine") == pytest.approx(0.1) and lr_factor(0.5, 0.0, "constant") == 1.0

@@ -77,6 +77,27 @@ def check_vocab_match(target: str | Path, draft: str | Path, kind: str) -> None:
         )
 
 
+def all_cores() -> str:
+    """The cores this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND`` list ("0-1" on this box)."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):  # type: ignore[no-untyped-def]
+    """``name=value`` while the engine process starts (it reads its environment then); None: leave it."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 class SpecDecodeEngine:
     """vLLM `LLM` + anchor recording + in-place draft updates. Create inside a `__main__`-guarded process."""
 
@@ -93,7 +114,11 @@ class SpecDecodeEngine:
         gpu_memory_utilization: float = 0.5,
         record: bool = True,
         seed: int = 0,
+        cpu_bind: str | None = None,
     ) -> None:
+        """``cpu_bind``: on CPU, the cores the engine's threads run on (``VLLM_CPU_OMP_THREADS_BIND``, e.g.
+        :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
+        puts every engine on one core and leaves the other for the frontend)."""
         if draft_path is not None and draft_kind in VLLM_METHOD:
             check_vocab_match(target, draft_path, draft_kind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
@@ -112,15 +137,16 @@ class SpecDecodeEngine:
                 kwargs["scheduler_cls"] = SCHEDULER
             if draft_kind in VLLM_METHOD:
                 kwargs["worker_extension_cls"] = EXTENSION
-        self.llm = LLM(
-            self.target,
-            dtype=dtype,  # type: ignore[arg-type]
-            max_model_len=max_model_len,
-            enforce_eager=True,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            **kwargs,
-        )
+        with _env("VLLM_CPU_OMP_THREADS_BIND", cpu_bind):
+            self.llm = LLM(
+                self.target,
+                dtype=dtype,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                enforce_eager=True,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                **kwargs,
+            )
         self.version = 0
 
     # ------------------------------------------------------------------------------------------ generation

@@ -97,7 +97,8 @@ def generate_trajectories(
 
     ``dtype`` is the serving precision: bfloat16 generates ~1.5x faster on a CPU with AVX512-BF16, and its
     greedy text is the target's own up to rounding (it drifts from the float32 text after some tokens). The
-    trajectories are only the contexts: the soft labels come from the target's teacher-forced forward."""
+    trajectories are only the contexts: the soft labels come from the target's teacher-forced forward.
+    The engine runs alone, so on CPU it binds every core (on 2 cores 529 tok/s against 318 on vLLM's default one)."""
     target = Path(target)
     key = cache_key(target, prompts, max_new_tokens, stop_token_ids, dtype)
     folder = Path(cache_dir) / "sft_trajectories" / key
@@ -109,7 +110,7 @@ def generate_trajectories(
     parts = [folder / f"part_{i:05d}.parquet" for i in range(0, len(prompts), chunk)]
     todo = [i for i, p in enumerate(parts) if not p.is_file()]
     if todo:
-        from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+        from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
 
         engine = SpecDecodeEngine(
             target,
@@ -119,6 +120,7 @@ def generate_trajectories(
             max_model_len=max_model_len,
             kvcache_gb=kvcache_gb,
             dtype=dtype,
+            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (1.66x vLLM's one-core default)
         )
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
         try:

@@ -38,7 +38,7 @@ class Recipe:
     feature_ids: tuple[int, ...]  # HF hidden_states indices concatenated into the cached features
     label_ids: torch.Tensor  # (Vd,) target ids the soft labels are over
     loss: LossFn
-    flops: Callable[[int, int], float]  # training FLOPs of one (batch, seq_len) step
+    flops: Callable[[dict[str, torch.Tensor]], float]  # training FLOPs of one step on this collated batch
     save: Callable[[nn.Module, Path, str | os.PathLike[str]], Path]
 
 
@@ -123,6 +123,18 @@ def dflash_train_flops(c: Any, batch: int, seq_len: int, anchors: int) -> float:
     return 3.0 * batch * float(fwd)
 
 
+def _ttt_flops(
+    c: Any, batch: dict[str, torch.Tensor], ttt_steps: int, anchors_of: Callable[..., Any]
+) -> float:
+    """TTT as the trainer runs it (``ttt_topk_loss``): step 0 over every padded row, the other steps and the
+    LM head over the padded anchor rows."""
+    from draft_opd_ray.flops import eagle3_block_flops
+
+    B, T = batch["input_ids"].shape
+    n = anchors_of(batch["loss_mask"], ttt_steps)[0].shape[1]
+    return B * eagle3_block_flops(c, T, n, ttt_steps).total
+
+
 def build_recipe(
     target: str | os.PathLike[str],
     draft: DraftConfig,
@@ -135,13 +147,13 @@ def build_recipe(
     dflash_anchors: int = 64,
 ) -> Recipe:
     """The draft (fresh, or ``start_from`` an exported folder) and its recipe for ``draft.kind``."""
-    from draft_opd_ray.flops import eagle3_train_flops, target_forward_flops
+    from draft_opd_ray.flops import target_forward_flops
     from draft_opd_ray.models.target import read_target_info
 
     info = read_target_info(target)
     if draft.kind == "eagle3":
         from draft_opd_ray.models.eagle3 import init_eagle3, load_eagle3, save_eagle3
-        from draft_opd_ray.sft.trainer import draft_vocab_counts, init_from_target, ttt_topk_loss
+        from draft_opd_ray.sft.trainer import draft_vocab_counts, init_from_target, ttt_anchors, ttt_topk_loss
 
         vd = min(draft.draft_vocab_size, info.vocab_size)
         if start_from is not None:
@@ -162,7 +174,7 @@ def build_recipe(
             tuple(head.hidden_state_indices),
             head.draft_ids_in_target.clone(),
             lambda m, b: ttt_topk_loss(m, b, draft.ttt_steps, draft.ttt_decay),  # type: ignore[arg-type]
-            lambda B, T: eagle3_train_flops(head.config, B, T, draft.ttt_steps).total,
+            lambda b: _ttt_flops(head.config, b, draft.ttt_steps, ttt_anchors),
             lambda m, out, t: save_eagle3(m, out, t),  # type: ignore[arg-type]
         )
     if draft.kind == "standalone":
@@ -186,7 +198,7 @@ def build_recipe(
             (),
             torch.arange(info.vocab_size),
             standalone_kd_loss,
-            lambda B, T: 3.0 * target_forward_flops(config_info(lm), B, T),
+            lambda b: 3.0 * target_forward_flops(config_info(lm), *b["input_ids"].shape),
             lambda m, out, t: save_standalone(m, out, t),
         )
     if draft.kind == "dflash":
@@ -208,7 +220,9 @@ def build_recipe(
             tuple(df.hidden_state_indices),
             torch.arange(info.vocab_size),
             dflash_loss(draft.dflash_loss_gamma, dflash_anchors, seed),
-            lambda B, T: dflash_train_flops(df.config, B, T, min(dflash_anchors, T)),
+            lambda b: dflash_train_flops(
+                df.config, *b["input_ids"].shape, min(dflash_anchors, b["input_ids"].shape[1])
+            ),
             lambda m, out, t: save_dflash(m, out, t),  # type: ignore[arg-type]
         )
     raise ValueError(f"draft.kind must be eagle3, standalone or dflash, got {draft.kind!r}")

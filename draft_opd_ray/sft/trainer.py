@@ -3,6 +3,8 @@
 Reads top to bottom: ``run_sft`` = set up (draft vocabulary, head initialised from the target, feature source,
 DeepSpeed engine, resume) -> train under a wall-clock budget (AdamW, warm-up + cosine over the budget, loss
 sum_i decay^i * soft-CE of unrolled step i against the target's top-k distribution) -> export checkpoints.
+The unrolled steps run only from the rows that are scored (response rows and the few prompt rows just before
+them): the same computation as Draft-OPD's student side, teacher-forced on the sequence's own tokens.
 
 Checkpoints: ``<run_dir>/checkpoints/sft/step_<n>/`` holds ``draft/`` (vLLM-loadable, :func:`save_eagle3`),
 ``deepspeed/`` (engine + optimizer state) and ``training_state.pt`` (step, elapsed time, data position,
@@ -233,6 +235,16 @@ def lr_factor(progress: float, warmup: float, schedule: str, floor: float = 0.1)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x))
 
 
+def schedule_progress(
+    step: int, total_steps: int, used_s: float, budget_s: float, train_start_s: float
+) -> float:
+    """Where the lr schedule is, in [0, 1]: the larger of the step fraction and the fraction of the *training*
+    part of the time budget used (the budget seconds the feature cache took before training are not the
+    schedule's: a cold run whose cache took 28% of the budget would otherwise skip its warm-up)."""
+    train_frac = (used_s - train_start_s) / max(1e-9, budget_s - train_start_s)
+    return min(1.0, max(step / max(1, total_steps), train_frac))
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -240,6 +252,7 @@ class TrainState:
     batch_in_epoch: int = 0
     train_s: float = 0.0  # seconds spent in training steps (excludes feature building and checkpoints)
     budget_s_used: float = 0.0  # wall clock charged to the budget (features + training)
+    train_start_s: float = 0.0  # budget seconds already used when training began (the feature cache)
     tokens: int = 0  # trained (loss) tokens
     flops_draft: float = 0.0
     flops_target: float = 0.0
@@ -404,7 +417,7 @@ def run_sft(
         state = TrainState(**torch.load(last / "training_state.pt", weights_only=False))
         log.info("resumed from %s (step %d)", last, state.step)
     else:
-        state.budget_s_used = feature_s
+        state.budget_s_used = state.train_start_s = feature_s
         if feature_mode == "cache" and start_from is None:
             state.flops_target = sum(target_forward_flops(info, 1, len(s)) for s in seqs)
     start_used = state.budget_s_used
@@ -426,7 +439,7 @@ def run_sft(
                 break
             if max_flops is not None and state.flops_draft + state.flops_target >= max_flops:
                 break
-            progress_frac = max(state.step / max(1, total_steps), used / budget_s)
+            progress_frac = schedule_progress(state.step, total_steps, used, budget_s, state.train_start_s)
             lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -446,7 +459,7 @@ def run_sft(
             state.batch_in_epoch += 1
             state.train_s += dt
             state.tokens += ntok
-            state.flops_draft += recipe.flops(B, T)
+            state.flops_draft += recipe.flops(batch)
             if isinstance(source, OnTheFlyFeatures) or start_from is not None:
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
