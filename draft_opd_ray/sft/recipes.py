@@ -123,6 +123,11 @@ def dflash_train_flops(c: Any, batch: int, seq_len: int, anchors: int) -> float:
     return 3.0 * batch * float(fwd)
 
 
+def _bt(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    B, T = batch["input_ids"].shape
+    return int(B), int(T)
+
+
 def _ttt_flops(
     c: Any, batch: dict[str, torch.Tensor], ttt_steps: int, anchors_of: Callable[..., Any]
 ) -> float:
@@ -198,7 +203,7 @@ def build_recipe(
             (),
             torch.arange(info.vocab_size),
             standalone_kd_loss,
-            lambda b: 3.0 * target_forward_flops(config_info(lm), *b["input_ids"].shape),
+            lambda b: 3.0 * target_forward_flops(config_info(lm), *_bt(b)),
             lambda m, out, t: save_standalone(m, out, t),
         )
     if draft.kind == "dflash":
@@ -220,9 +225,7 @@ def build_recipe(
             tuple(df.hidden_state_indices),
             torch.arange(info.vocab_size),
             dflash_loss(draft.dflash_loss_gamma, dflash_anchors, seed),
-            lambda b: dflash_train_flops(
-                df.config, *b["input_ids"].shape, min(dflash_anchors, b["input_ids"].shape[1])
-            ),
+            lambda b: dflash_train_flops(df.config, *_bt(b), min(dflash_anchors, _bt(b)[1])),
             lambda m, out, t: save_dflash(m, out, t),  # type: ignore[arg-type]
         )
     raise ValueError(f"draft.kind must be eagle3, standalone or dflash, got {draft.kind!r}")
