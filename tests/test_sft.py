@@ -109,6 +109,35 @@ def test_features_topk_renormalised(tiny: Path) -> None:
     assert int(idx.max()) < draft_ids.numel()
 
 
+def test_kv_cache_for_a_chunk_holds_its_longest_requests(tiny: Path) -> None:
+    """Brute force: bytes of K and V over every layer and kv head for the chunk's longest prompt + answer."""
+    from draft_opd_ray.sft.data import kv_cache_gb_for
+
+    c = json.loads((tiny / "config.json").read_text())
+    per_tok = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"]
+    prompts = [[1] * n for n in (5, 50, 20, 7)]
+    want = 1.1 * per_tok * 2 * ((50 + 10) + (20 + 10)) / 1e9  # bf16, the 2 longest
+    assert kv_cache_gb_for(tiny, prompts, 2, 10, "bfloat16") == pytest.approx(want)
+    assert kv_cache_gb_for(tiny, prompts, 2, 10, "float32") == pytest.approx(2 * want)
+    assert kv_cache_gb_for(tiny, [[1] * 10**9], 1, 1, "float32") == 8.0  # capped
+
+
+def test_features_head_only_on_scored_rows(tiny: Path) -> None:
+    """With prompt lengths, the soft labels of rows >= prompt_len - 1 equal the full forward's; others are zero."""
+    hf = load_hf_target(tiny, torch.float32)
+    draft_ids = torch.arange(0, 512, 2)
+    seqs, plens = [[5, 6, 7, 8, 9, 11], [9, 10, 12]], [3, 1]
+    full = target_features(hf, seqs, (1, 2), draft_ids, topk=4)
+    part = target_features(hf, seqs, (1, 2), draft_ids, topk=4, prompt_lens=plens)
+    for s, p, a, b in zip(seqs, plens, full, part):
+        torch.testing.assert_close(a[0], b[0])  # features on every row
+        for x, y in zip(a[1:], b[1:]):
+            torch.testing.assert_close(x[p - 1 :], y[p - 1 :])
+            assert not y[: max(0, p - 1)].any()
+    logits = hf(input_ids=torch.tensor([seqs[0]])).logits[0]  # brute force: the HF forward's own head
+    assert full[0][3].tolist() == logits.argmax(-1).tolist()
+
+
 def _full_row_ttt_loss(model, b: dict, steps: int, decay: float) -> torch.Tensor:
     """Brute force: TTT over every row of the sequence (``Eagle3Draft.forward``), masked to the loss rows."""
     logits = model(b["input_ids"], b["features"], ttt_steps=steps, attention_mask=b["attention_mask"])

@@ -81,6 +81,20 @@ def read_trajectories(path: str | os.PathLike[str]) -> list[Trajectory]:
     return [Trajectory(list(p), list(r)) for p, r in zip(t["prompt_ids"], t["response_ids"])]
 
 
+def kv_cache_gb_for(
+    target: Path, prompts: Sequence[Sequence[int]], chunk: int, max_new_tokens: int, dtype: str
+) -> float:
+    """KV cache (GB) that holds the ``chunk`` longest prompts with their full answers at once (vLLM CPU: so a
+    chunk runs as one batch, never preempted), capped at 8 GB."""
+    cfg = json.loads((target / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim
+    per_token *= 4 if dtype == "float32" else 2
+    longest = sorted((len(p) + max_new_tokens for p in prompts), reverse=True)[:chunk]
+    return min(8.0, 1.1 * per_token * sum(longest) / 1e9)
+
+
 def generate_trajectories(
     target: str | os.PathLike[str],
     prompts: Sequence[Sequence[int]],
@@ -89,7 +103,7 @@ def generate_trajectories(
     max_new_tokens: int = 256,
     stop_token_ids: Sequence[int] = (2,),
     max_model_len: int = 2048,
-    chunk: int = 128,
+    chunk: int = 256,
     kvcache_gb: float = 2.0,
     dtype: str = "float32",
 ) -> Path:
@@ -98,7 +112,9 @@ def generate_trajectories(
     ``dtype`` is the serving precision: bfloat16 generates ~1.5x faster on a CPU with AVX512-BF16, and its
     greedy text is the target's own up to rounding (it drifts from the float32 text after some tokens). The
     trajectories are only the contexts: the soft labels come from the target's teacher-forced forward.
-    The engine runs alone, so on CPU it binds every core (on 2 cores 529 tok/s against 318 on vLLM's default one)."""
+    The engine runs alone, so on CPU it binds every core (on 2 cores 529 tok/s against 318 on vLLM's default one),
+    and it decodes ``chunk`` requests at once with the KV cache to hold them (256: 615 tok/s against 545 for 128,
+    bfloat16; vLLM's CPU default caps a batch at 256 sequences)."""
     target = Path(target)
     key = cache_key(target, prompts, max_new_tokens, stop_token_ids, dtype)
     folder = Path(cache_dir) / "sft_trajectories" / key
@@ -107,7 +123,10 @@ def generate_trajectories(
         log.info("reusing cached trajectories %s", final)
         return final
     folder.mkdir(parents=True, exist_ok=True)
-    parts = [folder / f"part_{i:05d}.parquet" for i in range(0, len(prompts), chunk)]
+    # a part is named by its prompt range, so a partial cache written with another chunk size is not misread
+    parts = [
+        folder / f"part_{i:05d}_{min(i + chunk, len(prompts)):05d}.parquet" for i in range(0, len(prompts), chunk)
+    ]
     todo = [i for i, p in enumerate(parts) if not p.is_file()]
     if todo:
         from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
@@ -118,7 +137,7 @@ def generate_trajectories(
             draft_path=None,
             num_speculative_tokens=1,
             max_model_len=max_model_len,
-            kvcache_gb=kvcache_gb,
+            kvcache_gb=max(kvcache_gb, kv_cache_gb_for(target, prompts, chunk, max_new_tokens, dtype)),
             dtype=dtype,
             cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (1.66x vLLM's one-core default)
         )
