@@ -129,7 +129,7 @@ def test_features_head_only_on_scored_rows(tiny: Path) -> None:
     seqs, plens = [[5, 6, 7, 8, 9, 11], [9, 10, 12]], [3, 1]
     full = target_features(hf, seqs, (1, 2), draft_ids, topk=4)
     part = target_features(hf, seqs, (1, 2), draft_ids, topk=4, prompt_lens=plens)
-    for s, p, a, b in zip(seqs, plens, full, part):
+    for p, a, b in zip(plens, full, part):
         torch.testing.assert_close(a[0], b[0])  # features on every row
         for x, y in zip(a[1:], b[1:]):
             torch.testing.assert_close(x[p - 1 :], y[p - 1 :])

@@ -125,7 +125,8 @@ def generate_trajectories(
     folder.mkdir(parents=True, exist_ok=True)
     # a part is named by its prompt range, so a partial cache written with another chunk size is not misread
     parts = [
-        folder / f"part_{i:05d}_{min(i + chunk, len(prompts)):05d}.parquet" for i in range(0, len(prompts), chunk)
+        folder / f"part_{i:05d}_{min(i + chunk, len(prompts)):05d}.parquet"
+        for i in range(0, len(prompts), chunk)
     ]
     todo = [i for i, p in enumerate(parts) if not p.is_file()]
     if todo:

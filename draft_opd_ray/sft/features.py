@@ -89,8 +89,14 @@ def target_features(
     top1 = torch.zeros(B, T, dtype=torch.long)
     ki = torch.zeros(B, T, topk, dtype=torch.long)
     kp = torch.zeros(B, T, topk)
-    top1[rows], ki[rows], kp[rows] = logits.argmax(-1), idx, torch.softmax(val, dim=-1)  # renormalised over top k
-    return [(feats[b, : len(s)], ki[b, : len(s)], kp[b, : len(s)], top1[b, : len(s)]) for b, s in enumerate(seqs)]
+    top1[rows], ki[rows], kp[rows] = (
+        logits.argmax(-1),
+        idx,
+        torch.softmax(val, dim=-1),
+    )  # renormalised over top k
+    return [
+        (feats[b, : len(s)], ki[b, : len(s)], kp[b, : len(s)], top1[b, : len(s)]) for b, s in enumerate(seqs)
+    ]
 
 
 def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -179,7 +185,12 @@ class FeatureCache:
             bar = tqdm(total=total, desc="target features", unit="tok")
             for batch in _batches([len(s) for s in seqs], batch_tokens):
                 res = target_features(
-                    model, [seqs[i] for i in batch], aux_layer_ids, draft_ids, topk, [prompt_lens[i] for i in batch]
+                    model,
+                    [seqs[i] for i in batch],
+                    aux_layer_ids,
+                    draft_ids,
+                    topk,
+                    [prompt_lens[i] for i in batch],
                 )
                 for i, (f, ki, kp, t1) in zip(batch, res):
                     a, b = offsets[i], offsets[i + 1]
@@ -227,7 +238,11 @@ class OnTheFlyFeatures:
 
     def get_many(self, idx: Sequence[int]) -> list[SeqFeatures]:
         res = target_features(
-            self.model, [self.seqs[i] for i in idx], self.aux, self.draft_ids, self.topk,
+            self.model,
+            [self.seqs[i] for i in idx],
+            self.aux,
+            self.draft_ids,
+            self.topk,
             [self.prompt_lens[i] for i in idx],
         )
         return [
