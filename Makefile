@@ -31,7 +31,7 @@ test-fast: setup
 test-slow: setup
 	bash scripts/pytest.sh -m slow
 
-# Benchmarks P0-P7 (DESIGN.md §7): slow, meant for a quiet machine; results go to docs/benchmarks.md.
+# Benchmarks P0-P7 (targets in docs/benchmarks.md): slow, meant for a quiet machine; results go to docs/benchmarks.md.
 bench: setup
 	$(PY) bench/bench_loss_memory.py
 	$(PY) bench/bench_rollout.py

@@ -1,4 +1,4 @@
-"""P5: peak memory of the chunked `full` loss estimator vs naive materialisation (DESIGN.md §7), CPU, float32.
+"""P5: peak memory of the chunked `full` loss estimator vs naive materialisation (targets in docs/benchmarks.md), CPU, float32.
 
     python bench/bench_loss_memory.py                       # vocab 49152 and 151936, T = 2048, H = 576
     python bench/bench_loss_memory.py --tokens 1024 --vocabs 151936

@@ -1,4 +1,4 @@
-"""P1: Draft-OPD vs SFT continued from the same warm start for the same training FLOPs (DESIGN.md §7).
+"""P1: Draft-OPD vs SFT continued from the same warm start for the same training FLOPs (docs/benchmarks.md).
 
     python bench/bench_p1.py --warm-start RUN/checkpoints/sft/step_N/draft --steps 20 --run-dir runs/p1 \\
         [--opd-override loss.gamma=0.8 ...]
@@ -9,7 +9,7 @@
    from metrics.jsonl: the student forward + backward (`flops_draft`) and the target forwards of replay
    (`flops_target`). The rollouts' verification forwards are reported beside (`flops_rollout`), not counted,
    as SFT's trajectory generation is not either.
-2. SFT continued: `python -m draft_opd_ray.sft.run --start-from <warm start> --max-flops F` on the SFT
+2. SFT continued: `python -m draft_opd_ray.main stages=[sft] sft.start_from=<warm start> sft.max_flops=F` on the SFT
    trajectories (ShareGPT train prompts, target's greedy answers), same TTT loss as the warm start; every batch
    is charged the target forward of its features (as if computed on the fly), so both arms pay for the target.
 3. τ of the warm start, the SFT arm and the OPD arm through vLLM at K on the same held-out MT-Bench prompts
@@ -24,6 +24,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from draft_opd_ray.data.prompts import prompt_ids
+from draft_opd_ray.eval.tau import measure_drafts
+from draft_opd_ray.models.target import ensure_embedded_target
 
 
 def sh(args: list[str], log: Path) -> None:
@@ -94,33 +98,23 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "draft_opd_ray.sft.run",
-                "--stages",
-                "data,train",
-                "--num-prompts",
-                str(args.sft_prompts),
-                "--run-dir",
-                str(sft_dir),
-                "--start-from",
-                str(warm),
-                "--max-flops",
-                str(budget),
-                "--minutes",
-                "600",
-                "--epochs",
-                "100",  # the FLOPs budget ends it (one epoch of 768 answers is ~1.2e14 FLOPs)
-                "--curve",
-                "",
-                "--lr",
-                str(args.lr),
-                "--batch-tokens",
-                str(args.sft_batch_tokens),
-                "--ttt-steps",
-                str(args.ttt_steps),
-                "--draft-vocab",
-                str(cfg["draft_vocab_size"]),
-                "--aux-layers",
-                ",".join(map(str, aux)),
+                "draft_opd_ray.main",
+                "stages=[sft]",
+                f"sft.start_from={warm}",
+                f"sft.max_flops={budget}",
+                f"sft.num_prompts={args.sft_prompts}",
+                "sft.trajectory_dtype=float32",
+                "sft.time_budget_min=600",
+                "sft.epochs=100",  # the FLOPs budget ends it (one epoch of 768 answers is ~1.2e14 FLOPs)
+                "sft.reuse=false",
+                f"sft.lr={args.lr}",
+                f"sft.batch_tokens={args.sft_batch_tokens}",
+                "optim.warmup_ratio=0.03",
+                f"draft.ttt_steps={args.ttt_steps}",
+                f"draft.draft_vocab_size={cfg['draft_vocab_size']}",
+                f"draft.aux_layer_ids=[{','.join(map(str, aux))}]",
+                "wandb.mode=disabled",
+                f"hydra.run.dir={sft_dir}",
             ],
             rd / "sft.log",
         )
@@ -130,28 +124,9 @@ def main() -> None:
     sft_draft = max(sft_root.glob("step_*"), key=lambda d: int(d.name.split("_")[1])) / "draft"
 
     drafts = [warm, sft_draft, opd_draft / "draft"]
-    sh(
-        [
-            sys.executable,
-            "-m",
-            "draft_opd_ray.sft.run",
-            "--stages",
-            "eval",
-            "--run-dir",
-            str(rd),
-            "--drafts",
-            ",".join(map(str, drafts)),
-            "--eval-prompts",
-            str(args.eval_prompts),
-            "--k",
-            str(args.k),
-            "--eval-name",
-            "p1_tau",
-            "--no-ngram",
-        ],
-        rd / "eval.log",
-    )
-    taus = json.loads((rd / "eval" / "p1_tau.json").read_text())
+    target = ensure_embedded_target()
+    prompts = prompt_ids("mtbench", "all", args.eval_prompts, target)
+    taus = measure_drafts(target, "eagle3", drafts, prompts, k=args.k, max_new_tokens=256, eos_token_id=2)
     t_warm, t_sft, t_opd = (taus[str(d)]["tau_vllm"] for d in drafts)
     out = {
         "P1": t_opd / t_sft,

@@ -44,10 +44,11 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from draft_opd_ray.data.prompts import prompt_ids
     from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target
-    from draft_opd_ray.replay import ReplayActor, ReplayItem, pack_branches
+    from draft_opd_ray.opd.batch import ReplayItem, pack_branches
+    from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.sft.data import generate_trajectories, read_trajectories
-    from draft_opd_ray.sft.run import prompt_ids
 
     target = ensure_embedded_target()
     trajs = read_trajectories(

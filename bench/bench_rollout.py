@@ -1,4 +1,4 @@
-"""P2 and P3 (DESIGN.md §7): anchor records against vLLM's own spec-decode counters, and the throughput cost of
+"""P2 and P3 (targets in docs/benchmarks.md): anchor records against vLLM's own spec-decode counters, and the throughput cost of
 recording them. vLLM CPU engines, embedded SmolLM2-135M target, standalone draft (the target's first 29 of 30
 layers, which accepts roughly half of its proposals), greedy.
 

@@ -1,4 +1,4 @@
-"""P6 (DESIGN.md §7): draft-weight publication to all rollout workers vs a local memcpy, and the share of rollout
+"""P6 (targets in docs/benchmarks.md): draft-weight publication to all rollout workers vs a local memcpy, and the share of rollout
 time stalled by weight sync. Local Ray, 2 `RolloutWorker` actors (vLLM CPU engines, one core each), embedded
 SmolLM2-135M target, standalone draft (the target's first 29 of 30 layers: ~0.5 GB of float32 weights).
 
@@ -156,8 +156,8 @@ def main() -> None:
     from draft_opd_ray.data.prompts import load_prompt_set
     from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.models.target import ensure_embedded_target
+    from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
     from draft_opd_ray.rollout.engine import Sampling
-    from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     t_all = time.perf_counter()
     target = ensure_embedded_target()

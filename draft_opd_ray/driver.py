@@ -2,7 +2,7 @@
 
     prepare   target folder (embedded default converted once), draft-vs-target check, prompt sets
     sft       warm start (or baseline) of the draft                      -> checkpoints/sft/...
-    opd       the Draft-OPD loop on Ray (draft_opd_ray.opd)               -> checkpoints/opd/...
+    opd       the Draft-OPD loop on Ray (draft_opd_ray.opd.loop)          -> checkpoints/opd/...
     eval      τ, per-position acceptance, speed-up, ngram beside it       -> eval/report.{json,md}, plots
 Everything heavy starts only after the config and the data have been checked.
 """
@@ -14,22 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.metrics import MetricsLogger
+from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan
 
 
-def prepare_target(cfg: Config) -> tuple[str, Any]:
+def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
+    """The target folder (the embedded default converted once), its tokenizer and its config-only info."""
     from transformers import AutoTokenizer
 
-    from draft_opd_ray.config.validate import check_draft_fits_target
     from draft_opd_ray.models.target import read_target_info, resolve_target_path
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     target = resolve_target_path(cfg.target.path, cache)
     info = read_target_info(target)
-    check_draft_fits_target(cfg, info.num_layers, info.vocab_size)
-    return str(target), (AutoTokenizer.from_pretrained(target), info)
+    kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
+    return str(target), AutoTokenizer.from_pretrained(target), info
 
 
 def load_prompts(cfg: Config, tokenizer: Any, which: str) -> list[list[int]]:
@@ -64,20 +64,95 @@ def opd_prompts(cfg: Config, train: list[list[int]]) -> list[list[int]]:
 
 
 def initial_draft(cfg: Config, target: str, run_dir: Path) -> str:
-    """A draft to start from when no SFT stage ran and no draft.path was given: a fresh head."""
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
-
-    if cfg.draft.kind != "eagle3":
-        raise ConfigError(f"draft.path: a {cfg.draft.kind} draft needs draft.path or the sft stage")
+    """A draft to start from when no SFT stage ran and no draft.path was given: a fresh one (EAGLE-3 only)."""
+    kind = kinds.draft_kind(cfg.draft.kind)
     out = run_dir / "draft_init"
-    save_eagle3(init_eagle3(target, aux_layer_ids=cfg.draft.aux_layer_ids, seed=cfg.seed), out, target)
+    kind.save(kind.fresh(target, cfg.draft, cfg.seed), out, target)
     return str(out)
+
+
+def opd_stage(
+    cfg: Config,
+    plan: PlacementPlan,
+    target: str,
+    draft: str,
+    prompts: list[list[int]],
+    eos: int | None,
+    run_dir: Path,
+    metrics: MetricsLogger,
+) -> str:
+    """The Draft-OPD loop on Ray (local, or the cluster at `cluster.ray_address`)."""
+    import ray
+
+    from draft_opd_ray.opd.loop import run_opd
+
+    ray.init(
+        address=cfg.cluster.ray_address,
+        num_cpus=None if cfg.cluster.ray_address else int(cfg.cluster.cpus_per_node),
+        include_dashboard=False,
+        ignore_reinit_error=True,
+    )
+    try:
+        out = run_opd(
+            cfg,
+            plan,
+            target=target,
+            draft_dir=draft,
+            prompts=prompts,
+            eos_token_id=eos,
+            run_dir=run_dir,
+            metrics=metrics,
+        )
+    finally:
+        ray.shutdown()
+    return str(out)
+
+
+def eval_stage(
+    cfg: Config,
+    target: str,
+    draft: str | None,
+    before: str | None,
+    held_out: list[list[int]],
+    eos: int | None,
+    run_dir: Path,
+    metrics: MetricsLogger,
+) -> None:
+    """The evaluation report (τ before/after, acceptance, speed-up, baselines), logged and printed."""
+    from draft_opd_ray.eval.evaluate import evaluate
+
+    report = evaluate(
+        target=target,
+        draft_kind=cfg.draft.kind,
+        draft_path=draft,
+        k=cfg.draft.num_speculative_tokens,
+        datasets={cfg.data.eval.source: held_out},
+        out_dir=run_dir / "eval",
+        max_new_tokens=cfg.eval.max_new_tokens,
+        eos_token_id=eos,
+        concurrency=cfg.eval.concurrency,
+        baselines=cfg.eval.baselines,
+        max_model_len=cfg.target.max_model_len,
+        before=before,
+    )
+    for name, e in report["datasets"].items():
+        metrics.log(
+            "eval", 0, dataset=name, tau=e["tau"], tau_vllm=e["tau_vllm"], speedup_c1=e["speedup"].get("1")
+        )
+    print((run_dir / "eval" / "report.md").read_text(), flush=True)
+    for name, e in report["datasets"].items():
+        if "before" in e:
+            print(
+                f"[result] {name}: τ before Draft-OPD {e['before']['tau']:.3f} -> after {e['tau']:.3f}"
+                f" (vLLM counters {e['before']['tau_vllm']:.3f} -> {e['tau_vllm']:.3f})",
+                flush=True,
+            )
 
 
 def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
-    target, (tokenizer, info) = prepare_target(cfg)
+    target, tokenizer, info = prepare_target(cfg)
     train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
     held_out = load_prompts(cfg, tokenizer, "eval") if "eval" in cfg.stages else []
     metrics = MetricsLogger(
@@ -95,67 +170,12 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
 
             draft = str(run_sft_stage(cfg, target=target, prompts=train, run_dir=rd, metrics=metrics))
         if "opd" in cfg.stages:
-            import ray
-
-            from draft_opd_ray.opd import run_opd
-
-            draft = draft or initial_draft(cfg, target, rd)
-            start_draft = draft
-            ray.init(
-                address=cfg.cluster.ray_address,
-                num_cpus=None if cfg.cluster.ray_address else int(cfg.cluster.cpus_per_node),
-                include_dashboard=False,
-                ignore_reinit_error=True,
+            start_draft = draft = draft or initial_draft(cfg, target, rd)
+            draft = opd_stage(
+                cfg, plan, target, draft, opd_prompts(cfg, train), info.eos_token_id, rd, metrics
             )
-            try:
-                draft = str(
-                    run_opd(
-                        cfg,
-                        plan,
-                        target=target,
-                        draft_dir=draft,
-                        prompts=opd_prompts(cfg, train),
-                        eos_token_id=info.eos_token_id,
-                        run_dir=rd,
-                        metrics=metrics,
-                    )
-                )
-            finally:
-                ray.shutdown()
         if "eval" in cfg.stages:
-            from draft_opd_ray.eval.evaluate import evaluate
-
-            report = evaluate(
-                target=target,
-                draft_kind=cfg.draft.kind,
-                draft_path=draft,
-                k=cfg.draft.num_speculative_tokens,
-                datasets={cfg.data.eval.source: held_out},
-                out_dir=rd / "eval",
-                max_new_tokens=cfg.eval.max_new_tokens,
-                eos_token_id=info.eos_token_id,
-                concurrency=cfg.eval.concurrency,
-                baselines=cfg.eval.baselines,
-                max_model_len=cfg.target.max_model_len,
-                before=start_draft,
-            )
-            for name, e in report["datasets"].items():
-                metrics.log(
-                    "eval",
-                    0,
-                    dataset=name,
-                    tau=e["tau"],
-                    tau_vllm=e["tau_vllm"],
-                    speedup_c1=e["speedup"].get("1"),
-                )
-            print((rd / "eval" / "report.md").read_text(), flush=True)
-            for name, e in report["datasets"].items():
-                if "before" in e:
-                    print(
-                        f"[result] {name}: τ before Draft-OPD {e['before']['tau']:.3f} -> after {e['tau']:.3f}"
-                        f" (vLLM counters {e['before']['tau_vllm']:.3f} -> {e['tau_vllm']:.3f})",
-                        flush=True,
-                    )
+            eval_stage(cfg, target, draft, start_draft, held_out, info.eos_token_id, rd, metrics)
     finally:
         metrics.close()
     print(f"[done] run directory: {rd}", flush=True)

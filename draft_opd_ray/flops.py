@@ -15,9 +15,12 @@ included, because the kernels compute them), which is what ``torch.utils.flop_co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
-from draft_opd_ray.models.eagle3 import Eagle3Config
-from draft_opd_ray.models.target import TargetInfo
+if TYPE_CHECKING:
+    from draft_opd_ray.models.eagle3 import Eagle3Config
+    from draft_opd_ray.models.target import TargetInfo
 
 
 @dataclass(frozen=True)
@@ -80,3 +83,32 @@ def target_forward_flops(t: TargetInfo, batch: int, seq_len: int, *, lm_head: bo
         2 * H * t.vocab_size if lm_head else 0
     )
     return float(rows * per_row)
+
+
+def dflash_forward_flops(c: Any, seq_len: int, anchors: int, predicted: int) -> float:
+    """One forward of a DFlash drafter (``DFlashConfig``) over a sequence with ``anchors`` blocks: the context
+    projection over every row, each layer's block queries against context + block keys, the LM head on
+    ``predicted`` offsets of every block."""
+    H, heads, d, kv = c.hidden_size, c.num_attention_heads, c.head_dim, c.num_key_value_heads
+    layer_p = H * (heads * d + 2 * kv * d) + heads * d * H + 3 * H * c.intermediate_size
+    q_rows = anchors * c.block_size
+    fwd = c.num_layers * (
+        2 * layer_p * q_rows + 4 * kv * d * H * seq_len + 4 * heads * d * q_rows * (seq_len + c.block_size)
+    )
+    fwd += 2 * len(c.target_layer_ids) * H * H * seq_len + 2 * H * c.vocab_size * anchors * predicted
+    return float(fwd)
+
+
+def model_config_info(model: Any) -> Any:
+    """The fields of a TargetInfo that `target_forward_flops` reads, from a transformers model's config."""
+    c = model.config
+    heads = c.num_attention_heads
+    return SimpleNamespace(
+        hidden_size=c.hidden_size,
+        num_attention_heads=heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", heads),
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        vocab_size=c.vocab_size,
+    )

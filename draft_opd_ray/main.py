@@ -35,7 +35,7 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
     return "\n".join(head) + "\n" + plan.render()
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="conf", config_name="config")
 def _hydra_main(dcfg: DictConfig) -> None:
     try:
         cfg = to_config(dcfg)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draft_opd_ray.config.schema import ClusterConfig
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.models import kinds
 
 ROLLOUT, REPLAY, LEARNER, DRIVER = "rollout", "replay", "learner", "driver"
 
@@ -40,6 +42,12 @@ class PlacementPlan:
 
     def of(self, role: str) -> list[ActorSlot]:
         return [s for s in self.slots if s.role == role]
+
+    def bundles(self, role: str | None = None) -> list[dict[str, float]]:
+        """Ray placement-group bundles, one per actor in plan order: of ``role``, or of every actor but the
+        driver (which runs outside the group)."""
+        slots = [s for s in self.slots if (s.role == role if role else s.role != DRIVER)]
+        return [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
 
     def gpus_used(self) -> int:
         return sum(len(s.gpus) for s in self.slots)
@@ -72,23 +80,11 @@ class _Node:
         return got
 
 
-def build_plan(
-    *,
-    cluster: str,
-    num_nodes: int,
-    gpus_per_node: int,
-    cpus_per_node: float,
-    rollout_engines: int,
-    rollout_tensor_parallel: int,
-    replay_actors: int,
-    learner_ranks: int,
-    cpus_per_rollout: float,
-    cpus_per_replay: float,
-    cpus_per_learner: float,
-    cpus_for_driver: float,
-    draft_kind: str,
-    zero_stage: int,
-) -> PlacementPlan:
+def build_plan(c: ClusterConfig, *, draft_kind: str, zero_stage: int) -> PlacementPlan:
+    """The plan for cluster ``c`` (its shape and actor counts), or ConfigError naming what does not fit."""
+    num_nodes, gpus_per_node, cpus_per_node = c.num_nodes, c.gpus_per_node, c.cpus_per_node
+    rollout_engines, rollout_tensor_parallel = c.rollout_engines, c.rollout_tensor_parallel
+    replay_actors, learner_ranks = c.replay_actors, c.learner_ranks
     gpu = gpus_per_node > 0
     if gpu and rollout_tensor_parallel > gpus_per_node:
         raise ConfigError(
@@ -105,18 +101,19 @@ def build_plan(
     nodes = [_Node(i, gpus_per_node, cpus_per_node) for i in range(num_nodes)]
     zero = f"ZeRO-{zero_stage} shard 1/{learner_ranks}" if zero_stage > 0 else "full replica"
     wants = (
-        [(ROLLOUT, i, rollout_tensor_parallel, cpus_per_rollout) for i in range(rollout_engines)]
-        + [(REPLAY, i, 1, cpus_per_replay) for i in range(replay_actors)]
-        + [(LEARNER, i, 1, cpus_per_learner) for i in range(learner_ranks)]
-        + [(DRIVER, 0, 0, cpus_for_driver)]
+        [(ROLLOUT, i, rollout_tensor_parallel, c.cpus_per_rollout) for i in range(rollout_engines)]
+        + [(REPLAY, i, 1, c.cpus_per_replay) for i in range(replay_actors)]
+        + [(LEARNER, i, 1, c.cpus_per_learner) for i in range(learner_ranks)]
+        + [(DRIVER, 0, 0, c.cpus_for_driver)]
     )
+    features = kinds.draft_kind(draft_kind).feature_conditioned
     holds = {
         ROLLOUT: f"vLLM engine: target + {draft_kind} draft (TP {rollout_tensor_parallel if gpu else 1})",
-        REPLAY: f"target (teacher log-probs{', features' if draft_kind != 'standalone' else ''}) + draft copy",
+        REPLAY: f"target (teacher log-probs{', features' if features else ''}) + draft copy",
         LEARNER: f"{draft_kind} draft (trainable) + AdamW state ({zero})",
         DRIVER: "queues, anchor selection, checkpoints, metrics",
     }
-    plan = PlacementPlan(cluster, num_nodes, gpus_per_node, cpus_per_node)
+    plan = PlacementPlan(c.name, num_nodes, gpus_per_node, cpus_per_node)
     for role, idx, n_gpu, cpus in wants:
         n_gpu = n_gpu if gpu else 0
         for node in nodes:
@@ -134,14 +131,3 @@ def build_plan(
     plan.vllm_layout = f"{rollout_engines} engine(s) x tensor_parallel_size={rollout_tensor_parallel if gpu else 1} on {device}"
     plan.deepspeed_layout = f"ZeRO stage {zero_stage}, data-parallel size {learner_ranks}, {device}"
     return plan
-
-
-def ray_bundles(plan: PlacementPlan, role: str) -> list[dict[str, float]]:
-    """Placement-group bundles for one role, in rank order (one bundle per actor)."""
-    out = []
-    for s in plan.of(role):
-        b: dict[str, float] = {"CPU": s.cpus}
-        if s.gpus:
-            b["GPU"] = float(len(s.gpus))
-        out.append(b)
-    return out

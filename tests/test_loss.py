@@ -1,4 +1,4 @@
-"""The acceptance-aware objective (DESIGN.md §2.4) against brute-force computations on small vocabularies:
+"""The acceptance-aware objective (docs/design.md, "Objective") against brute-force computations on small vocabularies:
 position sets and weights by their definitions, each estimator by its direct formula, the chunked `full` path's
 values and gradients against naive autograd (float64), and global normalisation across micro-batches and ranks."""
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from draft_opd_ray.algo.loss import LossSpec
-from draft_opd_ray.replay import ReplayActor, ReplayItem
+from draft_opd_ray.opd.batch import ReplayItem
+from draft_opd_ray.opd.replay import ReplayActor
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_teacher_matches_naive_per_anchor_forward(setup) -> None:
 
 
 def test_learner_steps_and_loss_decreases(setup) -> None:
-    from draft_opd_ray.learner import Learner
+    from draft_opd_ray.opd.learner import Learner
 
     target, draft, _, item, K = setup
     replay = ReplayActor(str(target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K)
@@ -99,8 +100,8 @@ def test_learner_steps_and_loss_decreases(setup) -> None:
 def test_topk_payload_is_the_full_teacher_top_k_and_trains(setup) -> None:
     """payload=topk ships the top k of the same teacher distributions, is far smaller, and the learner steps on
     it with loss.estimator=topk (the estimator itself is checked against brute force in test_loss.py)."""
-    from draft_opd_ray.learner import Learner
-    from draft_opd_ray.replay import payload_bytes
+    from draft_opd_ray.opd.learner import Learner
+    from draft_opd_ray.opd.batch import payload_bytes
 
     target, draft, _, item, K = setup
     (full,) = ReplayActor(str(target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K).score([item])
@@ -137,7 +138,7 @@ def test_topk_payload_is_the_full_teacher_top_k_and_trains(setup) -> None:
 def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
     from types import SimpleNamespace
 
-    from draft_opd_ray.learner import split_mini_batches
+    from draft_opd_ray.opd.learner import split_mini_batches
 
     sizes = [5, 1, 7, 3, 3, 9, 2, 2]
     batch = [SimpleNamespace(anchor_pos=list(range(n)), i=i) for i, n in enumerate(sizes)]
@@ -157,7 +158,7 @@ def _spec(estimator: str = "full") -> LossSpec:
 
 
 def _learner(draft, target, kind: str, estimator: str = "full"):
-    from draft_opd_ray.learner import Learner
+    from draft_opd_ray.opd.learner import Learner
 
     return Learner(
         str(draft),
@@ -179,7 +180,7 @@ def test_standalone_student_matches_naive_forward_and_trains(setup, tmp_path) ->
     """q_k of a standalone LM draft is its distribution after x_{<=n} y_{<k}: the learner gets it for every anchor
     and position from one tree-masked forward, equal to one full forward per position."""
     from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
-    from draft_opd_ray.students import StandaloneStudent, replay_needs
+    from draft_opd_ray.opd.students import StandaloneStudent, replay_needs
 
     target, _, _, item, K = setup
     draft = build_standalone_from_target(target, tmp_path / "sa", num_layers=1)
@@ -214,7 +215,7 @@ def test_dflash_student_trains_on_replayed_blocks(setup, tmp_path) -> None:
     """A DFlash student drafts all K offsets in one pass from the target features before the anchor; the learner
     steps it on the same replayed teacher (features of its own target layers) and exports a loadable drafter."""
     from draft_opd_ray.models.dflash import init_dflash, load_dflash, save_dflash
-    from draft_opd_ray.students import DFlashStudent, replay_needs
+    from draft_opd_ray.opd.students import DFlashStudent, replay_needs
 
     target, _, _, item, K = setup
     draft = save_dflash(init_dflash(target, num_layers=1, block_size=K + 1), tmp_path / "df", target)
@@ -239,7 +240,7 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(setup, tmp_path,
     with the committed stream, and a published weight version changes the blocks."""
     from draft_opd_ray.models.dflash import init_dflash, save_dflash
     from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
-    from draft_opd_ray.students import make_student, replay_needs
+    from draft_opd_ray.opd.students import make_student, replay_needs
 
     target, eagle_dir, model, item, K = setup
     if kind == "eagle3":

@@ -137,7 +137,7 @@ def test_weight_update_changes_tau_and_returns(models, worker, transport: str) -
     import ray
     from safetensors.torch import load_file
 
-    from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
+    from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     _, draft, prompts = models
     original = load_file(str(draft / "model.safetensors"))

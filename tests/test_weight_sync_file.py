@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_opd_ray.weight_sync import write_safetensors
+from draft_opd_ray.opd.weight_sync import write_safetensors
 
 
 def _state(seed: int, rows: int) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Anchor selection (DESIGN.md §2.2): which verification steps of the rollouts are replayed.
+"""Anchor selection (docs/design.md, "Anchors"): which verification steps of the rollouts are replayed.
 
 - `error`  (default): block starts whose block was not fully accepted (accepted < drafted).
 - `all`:    every block start.

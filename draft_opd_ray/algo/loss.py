@@ -1,4 +1,4 @@
-"""The acceptance-aware Draft-OPD objective (DESIGN.md §2.4) and its estimators. Imports only torch.
+"""The acceptance-aware Draft-OPD objective (docs/design.md, "Objective") and its estimators. Imports only torch.
 
 An anchor's drafted block has K' <= K valid positions k = 1..K' (k is the absolute offset in the block) and
 acceptance a (the first a drafted tokens were accepted):

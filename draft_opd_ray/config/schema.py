@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.models.kinds import KINDS
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -31,8 +32,6 @@ class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU-only cluster (this machine)
     cpus_per_node: float = 2.0
-    memory_gb_per_node: float = 24.0
-    gpu_type: str = "cpu"
     rollout_engines: int = 2
     rollout_tensor_parallel: int = 1  # GPUs per vLLM engine (must fit in one node)
     replay_actors: int = 1
@@ -76,24 +75,23 @@ class TargetConfig:
 class DraftConfig:
     """The draft model. Kind-specific fields are ignored by the other kinds."""
 
-    kind: str = "eagle3"  # standalone | eagle3 | dflash
+    kind: str = "eagle3"  # eagle3 | standalone | dflash (models/kinds.py)
     path: str | None = None  # an existing draft folder to start from (or to evaluate with stages=[eval])
     num_speculative_tokens: int = 4  # K: tokens proposed per verification step
     # eagle3
-    aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-3)
-    draft_vocab_size: int = 32000
-    ttt_steps: int = 7  # training-time-test unroll depth
+    aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-1)
+    # the most frequent response tokens; SmolLM2's greedy answers use ~7k distinct ids (docs/LOG.md)
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 4  # training-time-test unroll depth (= K)
     ttt_decay: float = 0.8
     # dflash
     block_size: int = 8  # B; vLLM serves it with num_speculative_tokens = B - 1
     num_layers: int = 1
     mask_token_id: int | None = None  # must not be a special token of the target tokenizer
     dflash_loss_gamma: float = 7.0
-    # standalone
-    hidden_size: int | None = None  # None = derived from the target (standalone init from target layers)
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, "draft.kind", ("standalone", "eagle3", "dflash"))
+        _one_of(self.kind, "draft.kind", tuple(KINDS))
         _check(
             1 <= self.num_speculative_tokens <= 64,
             "draft.num_speculative_tokens",
@@ -137,9 +135,8 @@ class PromptSetConfig:
 
 
 def _train_prompts() -> PromptSetConfig:
-    return PromptSetConfig(
-        source="sharegpt", split="train", max_prompts=2048
-    )  # sft: first 768, opd: the rest
+    # the sft stage takes the first sft.num_prompts, the opd stage the rest
+    return PromptSetConfig(source="sharegpt", split="train", max_prompts=2560)
 
 
 def _eval_prompts() -> PromptSetConfig:
@@ -160,7 +157,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """Target-verified speculative decoding that produces the anchor records (DESIGN.md §2.1)."""
+    """Target-verified speculative decoding that produces the anchor records (docs/design.md, "Records")."""
 
     temperature: float = 0.0  # greedy rollouts (public code default)
     top_p: float = 1.0
@@ -188,7 +185,7 @@ class RolloutConfig:
 
 @dataclass
 class AnchorConfig:
-    """Which block starts are replayed (DESIGN.md §2.2)."""
+    """Which block starts are replayed (docs/design.md, "Anchors")."""
 
     policy: str = "error"  # error | all | random
     max_per_sequence: int = 64
@@ -205,7 +202,7 @@ class AnchorConfig:
 
 @dataclass
 class ReplayConfig:
-    """Teacher scoring at the selected anchors (DESIGN.md §2.3)."""
+    """Teacher scoring at the selected anchors (docs/design.md, "Replay")."""
 
     mode: str = "recorded"  # recorded | redraft
     topk: int = 32  # teacher top-k shipped to the learner when loss.estimator = topk
@@ -217,7 +214,7 @@ class ReplayConfig:
 
 @dataclass
 class LossConfig:
-    """The acceptance-aware objective (DESIGN.md §2.4)."""
+    """The acceptance-aware objective (docs/design.md, "Objective")."""
 
     gamma: float = 0.8  # decay of rejected positions, w_k = gamma^(k-1)
     lambda_acc: float = 1.0
@@ -272,10 +269,9 @@ class LearnerConfig:
     """DeepSpeed engine of the learner. Data-parallel size = cluster.learner_ranks."""
 
     zero_stage: int = 0
-    micro_batch_anchors: int = 64
     mini_batches: int = 8  # optimizer updates per Draft-OPD step (the step's sequences split in groups)
     dtype: str = "bfloat16"
-    backend: str = "auto"  # auto: nccl on GPUs, gloo on CPU
+    backend: str = "auto"  # torch.distributed backend; auto: nccl where CUDA is available, gloo otherwise
 
     def __post_init__(self) -> None:
         _check(
@@ -283,7 +279,6 @@ class LearnerConfig:
             "learner.zero_stage",
             f"must be 0, 1, 2 or 3, got {self.zero_stage}",
         )
-        _check(self.micro_batch_anchors >= 1, "learner.micro_batch_anchors", "must be >= 1")
         _check(self.mini_batches >= 1, "learner.mini_batches", f"must be >= 1, got {self.mini_batches}")
         _one_of(self.dtype, "learner.dtype", ("float32", "bfloat16", "float16"))
         _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
@@ -294,30 +289,34 @@ class AsyncConfig:
     """Asynchronous weight broadcast (`async.*` in YAML and on the command line)."""
 
     max_staleness: int = 2  # batches proposed by a draft more than this many versions old are dropped
-    queue_size: int = 4  # bounded queue between rollout and learner (rounds)
 
     def __post_init__(self) -> None:
         _check(self.max_staleness >= 0, "async.max_staleness", f"must be >= 0, got {self.max_staleness}")
-        _check(self.queue_size >= 1, "async.queue_size", f"must be >= 1, got {self.queue_size}")
 
 
 @dataclass
 class SFTConfig:
     """The SFT warm start / baseline recipe (EAGLE-3 TTT, DFlash block loss, standalone distillation)."""
 
-    num_prompts: int = 768  # target answers generated with vLLM (CPU: ~5 min; cached)
+    # The EAGLE-3 warm start's recipe (other kinds override in their draft group). A head this small generalises
+    # from the number of distinct target answers more than from more passes over them, so: many answers,
+    # generated in bfloat16 (1.5x faster on a CPU with AVX512-BF16; they are only contexts, the soft labels come
+    # from the teacher-forced forward), and small batches (docs/LOG.md, fifth and seventh sessions). On a 2-core
+    # CPU: ~10 min of answers (cold, cached after) + 33 min of features (~9) and training.
+    num_prompts: int = 1536  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
-    # precision vLLM generates the answers in (the contexts only: the soft labels come from a teacher-forced pass)
-    trajectory_dtype: str = "float32"
+    trajectory_dtype: str = "bfloat16"  # float32 | bfloat16
     # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
     # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
     dataset_answers: int = 0
     epochs: int = 20  # passes over the answers; the time budget usually ends training first on CPU
-    batch_tokens: int = 2048  # padded tokens per step (smaller batches, more steps: better on a CPU budget)
+    batch_tokens: int = 512  # padded tokens per step (smaller batches, more steps: better on a CPU budget)
     lr: float = 1e-3
-    time_budget_min: float = 20.0  # feature building + training (the CPU default: ~3 + 17 min)
+    time_budget_min: float = 33.0  # feature building + training
     reuse: bool = True  # reuse a finished warm start with the same settings from the cache
     curve_minutes: list[float] = field(default_factory=list)  # extra draft exports at these budget minutes
+    start_from: str | None = None  # continue from an exported draft (fresh optimizer) instead of a new one
+    max_flops: float | None = None  # stop once training FLOPs (draft + target) reach this
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
@@ -333,6 +332,7 @@ class SFTConfig:
         _check(self.batch_tokens >= 16, "sft.batch_tokens", "must be >= 16")
         _check(self.lr > 0, "sft.lr", f"must be > 0, got {self.lr}")
         _check(self.time_budget_min > 0, "sft.time_budget_min", "must be > 0")
+        _check(self.max_flops is None or self.max_flops > 0, "sft.max_flops", "must be > 0")
 
 
 @dataclass

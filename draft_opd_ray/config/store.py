@@ -48,14 +48,14 @@ def to_config(cfg: DictConfig) -> Config:
 
 
 def compose(overrides: list[str] | None = None) -> Config:
-    """Compose `conf/config.yaml` with overrides outside of `@hydra.main` (tests, notebooks, scripts)."""
+    """Compose the packaged `conf/config.yaml` with overrides outside of `@hydra.main` (tests, notebooks, scripts)."""
     from pathlib import Path
 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_configs()
-    conf_dir = Path(__file__).resolve().parents[2] / "conf"
+    conf_dir = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
     return to_config(cfg)

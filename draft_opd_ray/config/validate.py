@@ -9,36 +9,17 @@ from pathlib import Path
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan, build_plan
 
 
 def plan_for(cfg: Config) -> PlacementPlan:
-    c = cfg.cluster
-    return build_plan(
-        cluster=c.name,
-        num_nodes=c.num_nodes,
-        gpus_per_node=c.gpus_per_node,
-        cpus_per_node=c.cpus_per_node,
-        rollout_engines=c.rollout_engines,
-        rollout_tensor_parallel=c.rollout_tensor_parallel,
-        replay_actors=c.replay_actors,
-        learner_ranks=c.learner_ranks,
-        cpus_per_rollout=c.cpus_per_rollout,
-        cpus_per_replay=c.cpus_per_replay,
-        cpus_per_learner=c.cpus_per_learner,
-        cpus_for_driver=c.cpus_for_driver,
-        draft_kind=cfg.draft.kind,
-        zero_stage=cfg.learner.zero_stage,
-    )
+    return build_plan(cfg.cluster, draft_kind=cfg.draft.kind, zero_stage=cfg.learner.zero_stage)
 
 
 def _check_draft(cfg: Config) -> None:
     d = cfg.draft
-    if d.kind == "dflash" and d.num_speculative_tokens != d.block_size - 1:
-        raise ConfigError(
-            f"draft.num_speculative_tokens: DFlash proposes block_size - 1 = {d.block_size - 1} tokens per step, "
-            f"got {d.num_speculative_tokens} (set both, e.g. draft.block_size=8 draft.num_speculative_tokens=7)"
-        )
+    kinds.check_draft_config(d)
     if d.path is not None and not Path(d.path).is_dir():
         raise ConfigError(f"draft.path: directory not found: {d.path}")
     if "eval" in cfg.stages and "sft" not in cfg.stages and "opd" not in cfg.stages and d.path is None:
@@ -64,30 +45,7 @@ def _check_draft_against_target(cfg: Config) -> None:
             )
         return  # converted lazily on first use; its shape is known: checked again after conversion
     info = read_target_info(resolve_target_path(cfg.target.path))
-    check_draft_fits_target(cfg, info.num_layers, info.vocab_size)
-
-
-def check_draft_fits_target(cfg: Config, num_layers: int, vocab_size: int) -> None:
-    d = cfg.draft
-    if d.kind == "eagle3" and d.aux_layer_ids is not None:
-        bad = [i for i in d.aux_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ConfigError(
-                f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers"
-            )
-    if d.kind == "eagle3" and d.draft_vocab_size > vocab_size:
-        raise ConfigError(
-            f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}"
-        )
-    if d.kind == "standalone" and d.path is None and not 1 <= d.num_layers < num_layers:
-        raise ConfigError(
-            f"draft.num_layers: a standalone draft made of target layers needs 1..{num_layers - 1} layers "
-            f"(the target has {num_layers}), got {d.num_layers}"
-        )
-    if d.kind == "dflash" and d.mask_token_id is not None and not 0 <= d.mask_token_id < vocab_size:
-        raise ConfigError(
-            f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})"
-        )
+    kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
 
 
 def _check_data(cfg: Config) -> None:
@@ -113,7 +71,11 @@ def _check_training(cfg: Config) -> None:
     """What the sft/opd stages can run today, refused before anything loads."""
     if "opd" not in cfg.stages:
         return
-    if cfg.draft.kind != "eagle3" and cfg.draft.path is None and "sft" not in cfg.stages:
+    if (
+        not kinds.draft_kind(cfg.draft.kind).starts_fresh
+        and cfg.draft.path is None
+        and "sft" not in cfg.stages
+    ):
         raise ConfigError(
             f"draft.path: the opd stage post-trains an existing {cfg.draft.kind} draft; give its folder "
             "(only an eagle3 head can start from scratch)"

@@ -372,3 +372,14 @@ def load_prompt_set(
             + (f" (max_prompt_tokens={max_tokens})" if skipped.get("too_long") else "")
         )
     return PromptSet(name=name, prompts=prompts, skipped=dict(skipped))
+
+
+def prompt_ids(source: str, split: str, n: int, target: str | os.PathLike[str]) -> list[list[int]]:
+    """Token ids of the first ``n`` prompts of a packaged set (chat template applied), for scripts and benchmarks."""
+    from transformers import AutoTokenizer
+
+    from draft_opd_ray.config.schema import PromptSetConfig
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    ps = load_prompt_set(PromptSetConfig(source=source, split=split, max_prompts=n), tok)
+    return [list(p.token_ids) for p in ps.prompts]

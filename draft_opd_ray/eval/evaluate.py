@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, speculative_config
-from draft_opd_ray.rollout.records import RequestRecord, acceptance_per_position, tau, tau_vllm
+from draft_opd_ray.eval.tau import measure
+from draft_opd_ray.rollout.engine import BASELINES, Sampling, SpecDecodeEngine, speculative_config
+from draft_opd_ray.rollout.records import RequestRecord, acceptance_per_position
 
 
 def _tokens_per_second(
@@ -36,11 +37,10 @@ def _measure(
     concurrency: Sequence[int],
     speed_prompts: int,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    recs = engine.generate(prompts, sampling)
-    recs = [r for r in recs if not r.error]
+    stats, recs = measure(engine, prompts, sampling)
     out: dict[str, Any] = {
-        "tau": tau(recs) if any(r.num_steps for r in recs) else None,
-        "tau_vllm": tau_vllm(recs),
+        "tau": stats["tau"],
+        "tau_vllm": stats["tau_vllm"],
         "acceptance_per_position": acceptance_per_position(recs, k) if any(r.num_steps for r in recs) else [],
         "tokens_per_s": {
             c: _tokens_per_second(engine, prompts[:speed_prompts], sampling, c) for c in concurrency
@@ -75,7 +75,7 @@ def evaluate(
     methods = (
         [(draft_kind, str(draft_path) if draft_path else None)]
         + [(b, None) for b in baselines]
-        + [("none", None)]
+        + [(BASELINES[0], None)]
     )
     results: dict[str, dict[str, Any]] = {name: {} for name in datasets}
     tau_before: dict[str, dict[str, float]] = {}
@@ -89,8 +89,8 @@ def evaluate(
                 from safetensors.torch import load_file
 
                 for name, prompts in datasets.items():
-                    recs = [r for r in engine.generate(prompts, sampling) if not r.error]
-                    tau_before[name] = {"tau": tau(recs), "tau_vllm": tau_vllm(recs)}
+                    stats, _ = measure(engine, prompts, sampling)
+                    tau_before[name] = {"tau": stats["tau"], "tau_vllm": stats["tau_vllm"]}
                     print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
                 assert path is not None
                 engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
@@ -108,12 +108,12 @@ def evaluate(
         "baselines": {},
     }
     for name, per in results.items():
-        plain = per["none"]["tokens_per_s"]
+        plain = per[BASELINES[0]]["tokens_per_s"]
         for kind, res in per.items():
-            if kind == "none":
+            if kind == BASELINES[0]:
                 continue
             entry = {
-                "tau": res["tau"] if res["tau"] is not None else res["tau_vllm"],
+                "tau": res["tau"],
                 "tau_vllm": res["tau_vllm"],
                 "acceptance_per_position": res["acceptance_per_position"],
                 "speedup": {str(c): res["tokens_per_s"][c] / plain[c] for c in concurrency},

@@ -21,26 +21,8 @@ from typing import Any
 
 import torch
 
-
-def reference_drafter(kind: str, draft_dir: str | Path, target_dir: str | Path, target: Any) -> Any:
-    """The reference engine's drafter for an exported folder of ``kind``."""
-    from draft_opd_ray.rollout.reference import CausalLMDrafter
-
-    if kind == "eagle3":
-        from draft_opd_ray.models.eagle3 import load_eagle3
-        from draft_opd_ray.rollout.drafters import Eagle3Drafter
-
-        return Eagle3Drafter(target, load_eagle3(draft_dir, target_dir).float())
-    if kind == "dflash":
-        from draft_opd_ray.models.dflash import load_dflash
-        from draft_opd_ray.rollout.drafters import DFlashDrafter
-
-        return DFlashDrafter(target, load_dflash(draft_dir, target_dir).float())
-    if kind == "standalone":
-        from draft_opd_ray.models.standalone import load_standalone
-
-        return CausalLMDrafter(load_standalone(draft_dir, target_dir).eval())
-    raise ValueError(f"kind must be eagle3, standalone or dflash, got {kind!r}")
+from draft_opd_ray.eval.tau import measure, tau_stats
+from draft_opd_ray.models.kinds import KINDS
 
 
 def tau_match(
@@ -56,8 +38,8 @@ def tau_match(
     """{"tau_vllm", "tau_reference", "ratio", "identical", ...} for one draft on ``prompts``."""
     from transformers import AutoModelForCausalLM
 
+    from draft_opd_ray.models.kinds import draft_kind
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
-    from draft_opd_ray.rollout.records import tau, tau_vllm
     from draft_opd_ray.rollout.reference import speculative_generate
 
     stop = (eos_token_id,) if eos_token_id is not None else ()
@@ -66,7 +48,9 @@ def tau_match(
         target_dir, draft_kind=kind, draft_path=draft_dir, num_speculative_tokens=k, max_model_len=2048
     )
     try:
-        served = engine.generate(prompts, Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stop))
+        served_stats, served = measure(
+            engine, prompts, Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        )
         spec = engine.spec_config
     finally:
         engine.shutdown()
@@ -74,12 +58,12 @@ def tau_match(
 
     tic = time.monotonic()
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    drafter = reference_drafter(kind, draft_dir, target_dir, target)
+    drafter = draft_kind(kind).drafter(target, draft_dir, target_dir)
     ref = speculative_generate(
         target, drafter, prompts, k=k, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
     )
     ref_s = time.monotonic() - tic
-    tv, tr = tau_vllm(served), tau(ref)
+    tv, tr = served_stats["tau_vllm"], tau_stats(ref)["tau"]
     return {
         "kind": kind,
         "draft": str(draft_dir),
@@ -88,7 +72,7 @@ def tau_match(
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "tau_vllm": tv,
-        "tau_vllm_records": tau(served),
+        "tau_vllm_records": served_stats["tau"],
         "tau_reference": tr,
         "ratio": tv / tr,
         "identical": sum(a.response_ids == b.response_ids for a, b in zip(served, ref)),
@@ -101,24 +85,23 @@ def tau_match(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", required=True, choices=("eagle3", "standalone", "dflash"))
+    ap.add_argument("--kind", required=True, choices=tuple(KINDS))
     ap.add_argument("--draft", required=True, type=Path)
-    ap.add_argument("--k", type=int, default=None, help="default: 4 (dflash: its block size - 1)")
+    ap.add_argument("--k", type=int, default=None, help="default: 4 (a block drafter: its block size - 1)")
     ap.add_argument("--prompts", type=int, default=8, help="held-out MT-Bench prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from draft_opd_ray.data.prompts import prompt_ids
     from draft_opd_ray.models.target import ensure_embedded_target
-    from draft_opd_ray.sft.run import prompt_ids
 
     target = ensure_embedded_target()
     k = args.k
     if k is None:
-        k = 4
-        if args.kind == "dflash":
-            k = int(json.loads((args.draft / "config.json").read_text()).get("block_size", 8)) - 1
+        block = json.loads((args.draft / "config.json").read_text()).get("block_size")
+        k = int(block) - 1 if block else 4  # a block drafter proposes block_size - 1 tokens
     prompts = prompt_ids("mtbench", "all", args.prompts, target)
     res = tau_match(target, args.kind, args.draft, prompts, k=k, max_new_tokens=args.max_new_tokens)
     print(json.dumps(res, indent=2), flush=True)

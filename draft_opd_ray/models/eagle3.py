@@ -44,66 +44,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.standalone import (
+from draft_opd_ray.models.layers import RMSNorm, SwiGLU, apply_rope, init_weights
+from draft_opd_ray.models.target import (
+    TargetInfo,
     check_layer_ids,
+    read_target_info,
     read_target_tensors,
     rope_theta_of,
     spread_layer_ids,
     target_config,
 )
-from draft_opd_ray.models.target import TargetInfo, read_target_info
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
-
-# --------------------------------------------------------------------------------------------------
-# Building blocks (shared with dflash.py)
-# --------------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in float32 like HF and vLLM."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Default (neox / rotate-half) RoPE. x: (B, h, Q, d), positions: (B, Q) -> (B, h, Q, d)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32)[..., None] * inv_freq  # (B, Q, d/2)
-    emb = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, Q, d)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)).to(x.dtype)
-
-
-def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """HF-style init: Linear weights ~ N(0, std), biases 0 (RMSNorm weights stay 1)."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
 
 
 def chain_attention(
@@ -493,8 +446,11 @@ def eagle3_ttt_loss(
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """vLLM's / SpecForge's default (2, L/2, L-3); evenly spread ids for targets too shallow for it."""
-    ids = (2, num_layers // 2, num_layers - 3)
+    """(2, L/2, L-1): low, middle and the input of the last layer; evenly spread ids for targets too shallow
+    for it. vLLM and SpecForge default to L-3 for the high feature; on SmolLM2-135M the head trained to half the
+    acceptance with it in the same time, because the last layers carry most of the next-token prediction of a
+    small model (docs/LOG.md, "EAGLE-3 SFT, second run")."""
+    ids = (2, num_layers // 2, num_layers - 1)
     if ids[0] < ids[1] < ids[2]:
         return ids
     return spread_layer_ids(min(1, num_layers - 1), num_layers - 1, 3)
@@ -689,3 +645,9 @@ def load_eagle3(
             f"{where}: weights do not match the config (missing {missing}, unexpected {unexpected})"
         )
     return model
+
+
+def fresh_eagle3(target_path: str | os.PathLike[str], draft: Any, seed: int) -> Eagle3Draft:
+    """A new head for ``draft`` (a DraftConfig: its aux layers), the start of a run with neither SFT nor
+    draft.path."""
+    return init_eagle3(target_path, aux_layer_ids=draft.aux_layer_ids, seed=seed)

@@ -5,9 +5,6 @@ is a slice of the target itself: :func:`build_standalone_from_target` keeps the 
 and a few decoder layers (the first ``num_layers`` by default, or ``layer_ids``), renumbered 0..n-1, and writes
 an HF folder (config.json, model.safetensors, generation_config.json, tokenizer files) that transformers and
 vLLM's ``draft_model`` load. Proposing is done elsewhere (it is a plain causal LM).
-
-The helpers at the top read a target folder without loading the model (config dict, rope theta, a few
-tensors, layer-id checks); eagle3.py and dflash.py build their heads with them.
 """
 
 from __future__ import annotations
@@ -15,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,99 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.target import read_target_info
-from draft_opd_ray.models.tiny import TOKENIZER_FILES
-
-# --------------------------------------------------------------------------------------------------
-# Target folder helpers (shared by all draft kinds)
-# --------------------------------------------------------------------------------------------------
-
-
-def target_config(target_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The target's config.json as a dict (text_config merged in for multimodal wrappers)."""
-    path = Path(target_path) / "config.json"
-    try:
-        outer = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"target config '{path}' is unreadable: {exc}") from exc
-    text = outer.get("text_config")
-    return {**outer, **text} if isinstance(text, dict) else outer
-
-
-def rope_theta_of(cfg: dict[str, Any], where: str) -> float:
-    """rope theta of a config dict; the EAGLE-3 and DFlash heads implement the default rope type only."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if kind != "default":
-        raise ModelError(f"{where}: rope type '{kind}' is not supported by the drafts (only 'default')")
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    return float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
-
-
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index or by opening every file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"model folder '{folder}' has no safetensors weights")
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as fh:
-            where.update(dict.fromkeys(fh.keys(), file))
-    return where
-
-
-def read_target_tensors(target_path: str | os.PathLike[str], names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Read a few tensors (as float32) from the target's safetensors without loading the model.
-
-    ``lm_head.weight`` falls back to ``model.embed_tokens.weight`` for targets with tied embeddings.
-    """
-    folder = Path(target_path)
-    where = _tensor_files(folder)
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        key = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in where else name
-        if key not in where:
-            raise ModelError(f"target folder '{folder}' has no tensor '{name}'")
-        with safe_open(str(where[key]), framework="pt") as fh:
-            out[name] = fh.get_tensor(key).float()
-    return out
-
-
-def check_layer_ids(ids: Sequence[int], upper: int, what: str, why: str) -> tuple[int, ...]:
-    """Strictly increasing ids in [0, upper) (vLLM concatenates aux features in ascending layer order)."""
-    ids = tuple(int(i) for i in ids)
-    if not ids:
-        raise ModelError(f"{what}: at least one target layer is needed")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ModelError(
-            f"{what}: {list(ids)} must be strictly increasing (vLLM concatenates in layer order)"
-        )
-    bad = [i for i in ids if not 0 <= i < upper]
-    if bad:
-        raise ModelError(f"{what}: {bad} out of range [0, {upper}) ({why})")
-    return ids
-
-
-def spread_layer_ids(lo: int, hi: int, n: int) -> tuple[int, ...]:
-    """Up to n distinct ids spread evenly over [lo, hi]."""
-    if n == 1:
-        return ((lo + hi) // 2,)
-    return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
-
-
-def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Tokenizer files and generation_config.json, so the draft folder tokenizes and stops like the target."""
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Standalone drafts
-# --------------------------------------------------------------------------------------------------
+from draft_opd_ray.models.target import check_layer_ids, copy_tokenizer_files, read_target_info, tensor_files
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -151,7 +54,7 @@ def build_standalone_from_target(
 
     renumber = {src: dst for dst, src in enumerate(ids)}
     tensors: dict[str, torch.Tensor] = {}
-    for key, file in _tensor_files(Path(target_path)).items():
+    for key, file in tensor_files(Path(target_path)).items():
         m = _LAYER_KEY.match(key)
         if m and int(m.group(1)) not in renumber:
             continue

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -409,3 +409,107 @@ def read_target_info(path: str | os.PathLike[str], cache_dir: Path | None = None
         architectures=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else (),
         path=str(folder.resolve() if folder.exists() else folder),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a target folder without loading the model (every draft kind builds from these)
+# --------------------------------------------------------------------------------------------------
+
+# Tokenizer-side files copied from ``tokenizer_from`` when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def target_config(target_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The target's config.json as a dict (text_config merged in for multimodal wrappers)."""
+    path = Path(target_path) / "config.json"
+    try:
+        outer = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"target config '{path}' is unreadable: {exc}") from exc
+    text = outer.get("text_config")
+    return {**outer, **text} if isinstance(text, dict) else outer
+
+
+def rope_theta_of(cfg: dict[str, Any], where: str) -> float:
+    """rope theta of a config dict; the EAGLE-3 and DFlash heads implement the default rope type only."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind != "default":
+        raise ModelError(f"{where}: rope type '{kind}' is not supported by the drafts (only 'default')")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or by opening every file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"model folder '{folder}' has no safetensors weights")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as fh:
+            where.update(dict.fromkeys(fh.keys(), file))
+    return where
+
+
+def read_target_tensors(target_path: str | os.PathLike[str], names: Sequence[str]) -> dict[str, Any]:
+    """Read a few tensors (as float32) from the target's safetensors without loading the model.
+
+    ``lm_head.weight`` falls back to ``model.embed_tokens.weight`` for targets with tied embeddings.
+    """
+    from safetensors import safe_open
+
+    folder = Path(target_path)
+    where = tensor_files(folder)
+    out: dict[str, Any] = {}
+    for name in names:
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in where else name
+        if key not in where:
+            raise ModelError(f"target folder '{folder}' has no tensor '{name}'")
+        with safe_open(str(where[key]), framework="pt") as fh:
+            out[name] = fh.get_tensor(key).float()
+    return out
+
+
+def check_layer_ids(ids: Sequence[int], upper: int, what: str, why: str) -> tuple[int, ...]:
+    """Strictly increasing ids in [0, upper) (vLLM concatenates aux features in ascending layer order)."""
+    ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise ModelError(f"{what}: at least one target layer is needed")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ModelError(
+            f"{what}: {list(ids)} must be strictly increasing (vLLM concatenates in layer order)"
+        )
+    bad = [i for i in ids if not 0 <= i < upper]
+    if bad:
+        raise ModelError(f"{what}: {bad} out of range [0, {upper}) ({why})")
+    return ids
+
+
+def spread_layer_ids(lo: int, hi: int, n: int) -> tuple[int, ...]:
+    """Up to n distinct ids spread evenly over [lo, hi]."""
+    if n == 1:
+        return ((lo + hi) // 2,)
+    return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
+
+
+def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Tokenizer files and generation_config.json, so the draft folder tokenizes and stops like the target."""
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)

@@ -18,20 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.target import EMBEDDED_PREFIX, resolve_target_path
-
-# Tokenizer-side files copied from ``tokenizer_from`` when present.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
+from draft_opd_ray.models.target import EMBEDDED_PREFIX, TOKENIZER_FILES, resolve_target_path
 
 
 def _tokenizer_source(tokenizer_from: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:

@@ -10,7 +10,9 @@ exist yet), exactly what vLLM's proposers see after a verification step:
 * DFlash: ``hidden_state_indices`` = ``target_layer_ids`` + 1 (id i = output of layer i, as vLLM adds 1); the
   block [x_n, MASK...] sees context strictly before the anchor n (DFlashDraft.propose).
 
-Called without ``features`` (outside the engine) a drafter runs one target forward itself.
+Called without ``features`` (outside the engine) a drafter runs one target forward itself. The factories at the
+end build the drafter of an exported folder of each kind (the `drafter` entry of `models/kinds.py`; a standalone
+draft is the reference engine's plain `CausalLMDrafter`).
 
     drafter = Eagle3Drafter(target, load_eagle3(draft_dir, target_dir))
     records = speculative_generate(target, drafter, prompts, k=4, max_new_tokens=64, eos_token_id=2)
@@ -18,14 +20,16 @@ Called without ``features`` (outside the engine) a drafter runs one target forwa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from draft_opd_ray.models.dflash import DFlashDraft
 from draft_opd_ray.models.eagle3 import Eagle3Draft
-from draft_opd_ray.rollout.reference import padded_forward, right_pad
+from draft_opd_ray.rollout.reference import CausalLMDrafter, padded_forward, right_pad
 
 
 class _FeatureDrafter:
@@ -96,3 +100,23 @@ class DFlashDrafter(_FeatureDrafter):
     def _check_k(self, k: int) -> None:
         if not 1 <= k <= self.block_size - 1:
             raise ValueError(f"k must be in [1, block_size - 1 = {self.block_size - 1}], got {k}")
+
+
+def eagle3_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:
+    from draft_opd_ray.models.eagle3 import load_eagle3
+
+    return Eagle3Drafter(target, load_eagle3(draft_dir, target_dir).float())
+
+
+def dflash_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:
+    from draft_opd_ray.models.dflash import load_dflash
+
+    return DFlashDrafter(target, load_dflash(draft_dir, target_dir).float())
+
+
+def standalone_drafter(
+    target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]
+) -> Any:
+    from draft_opd_ray.models.standalone import load_standalone
+
+    return CausalLMDrafter(load_standalone(draft_dir, target_dir).eval())

@@ -9,19 +9,19 @@ invalid sampling settings) raise ConfigError / ModelError before the engine star
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.errors import ConfigError, ModelError
+from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.models import kinds
 from draft_opd_ray.rollout.records import RequestRecord
 
 SCHEDULER = "draft_opd_ray.rollout.vllm_ext.AnchorRecordingScheduler"
 EXTENSION = "draft_opd_ray.rollout.vllm_ext.DraftWeightExtension"
-VLLM_METHOD = {"standalone": "draft_model", "eagle3": "eagle3", "dflash": "dflash"}
+BASELINES = ("none", "ngram")  # methods that are not a trained draft: plain decoding, prompt lookup
 
 
 @dataclass(frozen=True)
@@ -44,37 +44,19 @@ class Sampling:
 
 def speculative_config(kind: str, path: str | None, k: int) -> dict[str, Any] | None:
     """The exact `speculative_config` vLLM takes for a draft (None = plain decoding)."""
-    if kind == "none":
+    if kind == BASELINES[0]:
         return None
-    if kind == "ngram":
+    if kind == BASELINES[1]:
         return {
             "method": "ngram",
             "num_speculative_tokens": k,
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 2,
         }
-    if kind not in VLLM_METHOD:
-        raise ConfigError(f"draft.kind: must be one of {sorted(VLLM_METHOD)} (or none/ngram), got {kind!r}")
+    method = kinds.draft_kind(kind).vllm_method
     if path is None:
         raise ConfigError(f"draft.path: a {kind} draft needs a folder")
-    return {"method": VLLM_METHOD[kind], "model": str(path), "num_speculative_tokens": k}
-
-
-def check_vocab_match(target: str | Path, draft: str | Path, kind: str) -> None:
-    """A draft that shares the target's vocabulary must have its size (EAGLE-3 maps its own via d2t)."""
-    t = json.loads((Path(target) / "config.json").read_text())
-    d = json.loads((Path(draft) / "config.json").read_text())
-    tv = t.get("vocab_size") or t.get("text_config", {}).get("vocab_size")
-    dv = d.get("vocab_size")
-    if kind == "standalone" and tv != dv:
-        raise ModelError(
-            f"draft.path: draft vocabulary {dv} differs from the target's {tv}; a standalone draft "
-            "must use the target's tokenizer"
-        )
-    if kind == "eagle3" and d.get("draft_vocab_size", dv) > tv:
-        raise ModelError(
-            f"draft.path: draft_vocab_size {d.get('draft_vocab_size')} exceeds the target's {tv}"
-        )
+    return {"method": method, "model": str(path), "num_speculative_tokens": k}
 
 
 def all_cores() -> str:
@@ -119,8 +101,8 @@ class SpecDecodeEngine:
         """``cpu_bind``: on CPU, the cores the engine's threads run on (``VLLM_CPU_OMP_THREADS_BIND``, e.g.
         :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
         puts every engine on one core and leaves the other for the frontend)."""
-        if draft_path is not None and draft_kind in VLLM_METHOD:
-            check_vocab_match(target, draft_path, draft_kind)
+        if draft_path is not None and draft_kind in kinds.KINDS:
+            kinds.check_vocab_match(target, draft_path, draft_kind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
         from vllm import LLM
 
@@ -135,7 +117,7 @@ class SpecDecodeEngine:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
             if self.record:
                 kwargs["scheduler_cls"] = SCHEDULER
-            if draft_kind in VLLM_METHOD:
+            if draft_kind in kinds.KINDS:
                 kwargs["worker_extension_cls"] = EXTENSION
         with _env("VLLM_CPU_OMP_THREADS_BIND", cpu_bind):
             self.llm = LLM(
@@ -224,7 +206,7 @@ class SpecDecodeEngine:
         worker process reads; vLLM's reloader needs every weight, not a subset."""
         import tempfile
 
-        from draft_opd_ray.weight_sync import write_safetensors
+        from draft_opd_ray.opd.weight_sync import write_safetensors
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.NamedTemporaryFile(dir=shm, prefix="draft_opd_ray_", suffix=".safetensors") as f:

@@ -1,4 +1,4 @@
-"""Anchor records: what a speculative-decoding rollout saw, one record per request (DESIGN.md §2.1, §5.1).
+"""Anchor records: what a speculative-decoding rollout saw, one record per request (docs/design.md, "Records" and "Run directory").
 
 Positions are indices into the full token sequence `prompt_ids + response_ids`. Verification step i drafted
 `drafted[i]` (K' <= K ids) after the committed token at `anchor_pos[i]`, and the target accepted the first

@@ -1,7 +1,7 @@
 """Reference speculative decoding in plain PyTorch: the ground truth for tests, and the rollout path for
 anything vLLM cannot serve.
 
-One verification step, per request (DESIGN.md §1):
+One verification step, per request (docs/design.md, "Method"):
     draft proposes y_1..y_K from the committed prefix            (Drafter.propose)
     target scores prefix + y_1..y_K in one forward                (p_1..p_{K+1})
     greedy:   accept while y_k == argmax p_k; then emit argmax p_{a+1}
@@ -191,7 +191,7 @@ def speculative_generate(
     seed: int = 0,
     policy_version: int = 0,
 ) -> list[RequestRecord]:
-    """Speculative decoding of a batch of prompts; one record per prompt (DESIGN.md §2.1)."""
+    """Speculative decoding of a batch of prompts; one record per prompt (docs/design.md, "Records")."""
     gen = torch.Generator().manual_seed(seed)
     recs = [
         RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)

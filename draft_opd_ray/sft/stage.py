@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.distributed import release_process_group
 
 
 def _sft_key(cfg: Config) -> dict[str, Any]:
@@ -22,6 +23,9 @@ def _sft_key(cfg: Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg.sft)
     for k in ("reuse", "curve_minutes"):
         d.pop(k)
+    for k in ("start_from", "max_flops"):
+        if d[k] is None:
+            d.pop(k)
     if not d["dataset_answers"]:
         d.pop("dataset_answers")
     if d["trajectory_dtype"] == "float32":
@@ -47,18 +51,6 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
     for p in prompts:
         h.update(json.dumps(list(p)).encode())
     return h.hexdigest()[:16]
-
-
-def release_process_group() -> None:
-    """The trainer's single-process group is done: free its port before Ray actors start their own."""
-    import os
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        os.environ.pop(k, None)
 
 
 def log_sft_row(metrics: Any, row: dict[str, Any]) -> None:
@@ -138,7 +130,6 @@ def run_sft_stage(
         cache_dir=cache,
         resume=cfg.resume,
         seed=cfg.seed,
-        checkpoint_minutes=cfg.sft.curve_minutes,
         metrics=lambda m: log_sft_row(metrics, m),
     )
     release_process_group()

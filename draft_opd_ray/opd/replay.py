@@ -1,5 +1,6 @@
 """ReplayActor: teacher log-probs (and target features) on the draft's own blocks at the selected anchors
-(DESIGN.md §2.3). Runs on the devices that hold the target.
+(docs/design.md, "Replay"). Runs on the devices that hold the target; the data contracts and the packing math are
+in `opd/batch.py`, the per-kind redraft in `opd/students.py`.
 
 For one committed sequence x (prompt + response, length T) and its anchors (n, y_1..y_K', a):
 - one target forward over x gives the features the EAGLE-3 student conditions on and the teacher
@@ -21,47 +22,10 @@ acceptance; random anchors (no recorded block) need this mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from draft_opd_ray.models.eagle3 import Eagle3Draft
-
-
-@dataclass
-class ReplayItem:
-    """One committed sequence and its selected anchors (recorded blocks)."""
-
-    input_ids: list[int]  # prompt + response, committed tokens
-    anchor_pos: list[int]  # (N,) index of the last committed token before each block
-    drafted: list[list[int]]  # (N, K') recorded drafted target ids
-    accepted: list[int]  # (N,) recorded acceptance
-    policy_version: int
-
-
-@dataclass
-class TeacherItem:
-    input_ids: torch.Tensor  # (T,) long
-    features: torch.Tensor  # (T, A*H) target aux hidden states (HF hidden_states[i], i in aux ids)
-    anchor_pos: torch.Tensor  # (N,) long
-    drafted: torch.Tensor  # (N, K) long, right-padded with 0
-    valid_len: torch.Tensor  # (N,) long, K' <= K positions that have a teacher
-    accepted: torch.Tensor  # (N,) long, recorded acceptance (clipped to valid_len)
-    replay_accepted: torch.Tensor  # (N,) long, greedy acceptance recomputed by the teacher
-    teacher_logprobs: torch.Tensor | None  # (N, K, Vd) log p_k over the draft vocabulary (payload "full")
-    policy_version: int
-    teacher_topk_ids: torch.Tensor | None = (
-        None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
-    )
-    teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
-
-
-def payload_bytes(t: TeacherItem) -> int:
-    """What one scored sequence ships to the learner (features + teacher)."""
-    parts = [t.features, t.teacher_logprobs, t.teacher_topk_ids, t.teacher_topk_logprobs]
-    return sum(x.numel() * x.element_size() for x in parts if x is not None)
+from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, pack_branches
 
 
 class ReplayActor:
@@ -94,7 +58,7 @@ class ReplayActor:
         if mode == "redraft":
             if draft_kind is None or draft_dir is None:
                 raise ValueError("replay mode redraft needs draft_kind and draft_dir")
-            from draft_opd_ray.students import make_student
+            from draft_opd_ray.opd.students import make_student
 
             self.student = make_student(draft_kind, draft_dir, target)
             self.student.model.eval()
@@ -141,22 +105,13 @@ class ReplayActor:
 
     def _redraft(self, it: ReplayItem) -> ReplayItem:
         """`it` with the current draft's greedy blocks from its anchors."""
-        from draft_opd_ray.students import DFlashStudent, Eagle3Student
-
         assert self.student is not None
         ids = torch.tensor(it.input_ids)
-        anchors = torch.tensor(it.anchor_pos)
-        K = self.k
-        if isinstance(self.student, Eagle3Student | DFlashStudent):
+        feats = None
+        if self.student.features:  # the target hidden states the draft conditions on
             out = self.model(ids[None], output_hidden_states=True, use_cache=False)
             feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
-            if isinstance(self.student, Eagle3Student):
-                blocks = _eagle3_greedy(self.student.model, ids, feats, anchors, K)
-            else:  # DFlash: all offsets in one parallel pass
-                m = self.student.model
-                blocks = m.logits(m(ids[None], feats[None], anchors[None])[0][:, 1 : K + 1]).argmax(-1)
-        else:
-            blocks = _lm_greedy(self.student.model, it.input_ids, it.anchor_pos, K)
+        blocks = self.student.greedy_blocks(ids, feats, torch.tensor(it.anchor_pos), self.k)
         drafted, accepted = [], []
         for n, y in zip(it.anchor_pos, blocks.tolist()):  # the stream ends at T-1: a <= T-1-n
             stream = it.input_ids[n + 1 : n + 1 + len(y)]
@@ -225,92 +180,3 @@ class ReplayActor:
             top_ids,
             top_lp,
         )
-
-
-@dataclass
-class PackedBranches:
-    """The committed sequence followed by every anchor's rejected branch, scored in ONE forward."""
-
-    input_ids: torch.Tensor  # (T + B,)
-    position_ids: torch.Tensor  # (T + B,)
-    mask: torch.Tensor  # (T + B, T + B) additive: 0 where attention is allowed, -inf elsewhere
-    rows: list[torch.Tensor]  # per anchor: the logit rows that are its teacher positions k = 1..valid
-
-
-def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
-    """Block position k of anchor (n, y, a) has context x_{<=n} y_{<k}. For k <= a+1 that is the committed
-    stream (row n+k-1). For k >= a+2 the context contains the rejected y_{a+1}: those rows are a branch
-    y_{a+1}..y_{K'-1} appended after the stream at positions n+a+1.., attending to x_{<=n+a} and to the earlier
-    tokens of its own branch only (a tree mask, as in tree-attention verification)."""
-    T = len(it.input_ids)
-    ids, pos, rows = list(it.input_ids), list(range(T)), []
-    spans: list[tuple[int, int, int]] = []  # (first packed index, length, prefix end n+a inclusive)
-    for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
-        kk = min(len(y), k)
-        on_stream = max(0, min(a + 1, kk, T - n))
-        r = list(range(n, n + on_stream))
-        if on_stream == a + 1 and a + 1 < kk:
-            start = len(ids)
-            branch = list(y[a : kk - 1])
-            ids += branch
-            pos += list(range(n + a + 1, n + kk))
-            spans.append((start, len(branch), n + a))
-            r += list(range(start, start + len(branch)))
-        rows.append(torch.tensor(r, dtype=torch.long))
-    L = len(ids)
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()
-    allowed[T:, :] = False
-    for start, length, last in spans:
-        allowed[start : start + length, : last + 1] = True
-        allowed[start : start + length, start : start + length] = torch.ones(length, length).tril().bool()
-    mask = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))
-    return PackedBranches(torch.tensor(ids), torch.tensor(pos), mask, rows)
-
-
-def _eagle3_greedy(
-    head: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, k: int
-) -> torch.Tensor:
-    """(N, k) target ids the EAGLE-3 head drafts greedily from every anchor at once (its vLLM unroll)."""
-    toks: list[torch.Tensor] = []
-
-    def feed(_: int, h: torch.Tensor) -> torch.Tensor:
-        t = head.draft_ids_in_target[head.logits(h).argmax(-1)]
-        toks.append(t)
-        return t
-
-    valid = torch.ones(1, len(ids), dtype=torch.bool)
-    last = head._unroll(ids[None], feats[None], anchors[None], k, feed, valid)[-1]
-    feed(k, last)
-    return torch.stack(toks, dim=-1)[0]
-
-
-def _lm_greedy(model: torch.nn.Module, ids: list[int], anchors: list[int], k: int) -> torch.Tensor:
-    """(N, k) greedy blocks of a causal LM draft from every anchor: k tree-masked forwards over the sequence plus
-    each anchor's partial block (branch at positions n+1.., seeing x_{<=n} and itself)."""
-    T, N = len(ids), len(anchors)
-    blocks = torch.zeros(N, k, dtype=torch.long)
-    for r in range(k):
-        toks, pos = list(ids), list(range(T))
-        last_rows = []
-        spans = []
-        for j, n in enumerate(anchors):
-            start = len(toks)
-            toks += blocks[j, :r].tolist()
-            pos += list(range(n + 1, n + 1 + r))
-            spans.append((start, r, n))
-            last_rows.append(start + r - 1 if r else n)
-        L = len(toks)
-        allowed = torch.ones(L, L, dtype=torch.bool).tril()
-        allowed[T:, :] = False
-        for start, length, n in spans:
-            allowed[start : start + length, : n + 1] = True
-            allowed[start : start + length, start : start + length] = torch.ones(length, length).tril().bool()
-        mask = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))
-        logits = model(  # type: ignore[operator]
-            input_ids=torch.tensor(toks)[None],
-            attention_mask=mask[None, None],
-            position_ids=torch.tensor(pos)[None],
-            use_cache=False,
-        ).logits[0]
-        blocks[:, r] = logits[torch.tensor(last_rows)].argmax(-1)
-    return blocks

@@ -1,7 +1,7 @@
 """Learner: a DeepSpeed engine over the draft that computes the student side of Draft-OPD replay and steps.
 
 One call to `step` is one optimizer step over a global batch of anchors. The objective is normalised by the
-global denominator (DESIGN.md §2.4), computed from the anchors before any forward, so the loss does not
+global denominator (docs/design.md, "Objective"), computed from the anchors before any forward, so the loss does not
 depend on how the batch is split into micro-batches or data-parallel ranks. Weights for the rollout
 workers come out in the draft's checkpoint names (`rollout_state`).
 """
@@ -9,33 +9,14 @@ workers come out in the draft's checkpoint names (`rollout_state`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from draft_opd_ray.algo.loss import FullInputs, LossSpec, TopkInputs, denominator, objective_terms
-from draft_opd_ray.replay import TeacherItem
-
-
-def _init_single_process_group() -> None:
-    """A process group of one for DeepSpeed. The port is always a fresh free one: a Ray actor inherits the
-    environment of the driver, whose MASTER_PORT may still be bound (e.g. by the sft stage's group)."""
-    import socket
-
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-    )
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+from draft_opd_ray.distributed import init_process_group
+from draft_opd_ray.opd.batch import TeacherItem
 
 
 def lr_lambda(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
@@ -87,14 +68,15 @@ class Learner:
         zero_stage: int,
         grad_clip: float,
         num_threads: int | None = None,
+        backend: str = "auto",
     ) -> None:
         import deepspeed
 
-        from draft_opd_ray.students import make_student
+        from draft_opd_ray.opd.students import make_student
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        _init_single_process_group()
+        init_process_group(backend)
         self.target = target
         self.student = make_student(kind, draft_dir, target)
         self.model = self.student.model

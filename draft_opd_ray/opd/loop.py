@@ -12,10 +12,9 @@ round that has finished by then (one at least), so nothing generated is left to 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,28 +22,21 @@ from typing import Any
 
 from draft_opd_ray.algo.anchors import select_anchors
 from draft_opd_ray.algo.loss import LossSpec
-from draft_opd_ray.config.schema import Config
+from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
+from draft_opd_ray.config.schema import Config, LossConfig
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
+from draft_opd_ray.opd.batch import ReplayItem
+from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
-from draft_opd_ray.replay import ReplayItem
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, tau, write_parquet
-from draft_opd_ray.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 
 
-def loss_spec(cfg: Config) -> LossSpec:
-    c = cfg.loss
-    return LossSpec(
-        gamma=c.gamma,
-        lambda_acc=c.lambda_acc,
-        lambda_rej=c.lambda_rej,
-        rejected_scope=c.rejected_scope,
-        estimator=c.estimator,
-        directions=c.directions,
-        clamp=c.logprob_clamp,
-        vocab_chunk=c.vocab_chunk,
-    )
+def loss_spec(c: LossConfig) -> LossSpec:
+    """The objective's settings: the fields LossSpec shares with `loss.*`, and the clamp."""
+    same = {f.name: getattr(c, f.name) for f in dataclasses.fields(LossSpec) if hasattr(c, f.name)}
+    return LossSpec(**same, clamp=c.logprob_clamp)
 
 
 def start_actors(
@@ -55,10 +47,10 @@ def start_actors(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from draft_opd_ray.learner import Learner
-    from draft_opd_ray.replay import ReplayActor
+    from draft_opd_ray.opd.learner import Learner
+    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.students import replay_needs
     from draft_opd_ray.rollout.worker import RolloutWorker
-    from draft_opd_ray.students import replay_needs
 
     slots = [s for s in plan.slots if s.role != DRIVER]
     bundles = [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
@@ -121,7 +113,7 @@ def start_actors(
             draft_dir,
             target,
             kind=cfg.draft.kind,
-            spec=loss_spec(cfg),
+            spec=loss_spec(cfg.loss),
             lr=o.lr,
             betas=o.betas,
             weight_decay=o.weight_decay,
@@ -131,6 +123,7 @@ def start_actors(
             zero_stage=cfg.learner.zero_stage,
             grad_clip=o.grad_clip,
             num_threads=1 if cpu else None,
+            backend=cfg.learner.backend,
         )
     )
     return {"workers": workers, "replay": replay, "learner": learner, "pg": pg}
@@ -188,31 +181,75 @@ def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
 def save_checkpoint(
     run_dir: Path, step: int, learner: Any, target: str, flops: dict[str, float] | None = None
 ) -> Path:
-    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, written to a temp dir then renamed; then `latest`."""
+    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, atomically (`draft_opd_ray.checkpoint`)."""
     import ray
     import torch
 
-    root = run_dir / "checkpoints" / "opd"
-    final = root / f"step_{step}"
-    tmp = root / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    ray.get(learner.save.remote(str(tmp / "draft")))
-    torch.save(
-        {"step": step, "flops": dict(flops or {}), **ray.get(learner.optimizer_state.remote())},
-        tmp / "training_state.pt",
-    )
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = root / "latest.tmp"
-    pointer.write_text(f"step_{step}\n")
-    os.replace(pointer, root / "latest")
-    return final
+    def fill(tmp: Path) -> None:
+        ray.get(learner.save.remote(str(tmp / "draft")))
+        state = {"step": step, "flops": dict(flops or {}), **ray.get(learner.optimizer_state.remote())}
+        torch.save(state, tmp / "training_state.pt")
+
+    return write_checkpoint(run_dir / "checkpoints" / "opd", f"step_{step}", fill)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    p = run_dir / "checkpoints" / "opd" / "latest"
-    return (p.parent / p.read_text().strip()) if p.is_file() else None
+def take_rounds(
+    finished: Sequence[list[RequestRecord]], version: int, max_staleness: int
+) -> tuple[list[RequestRecord], int, int]:
+    """The records of the finished rounds whose oldest block is at most ``max_staleness`` versions behind the
+    learner's ``version`` (failed or empty requests left out). Returns (records, rounds dropped as stale, the
+    largest lag kept)."""
+    records: list[RequestRecord] = []
+    dropped = behind = 0
+    for got in finished:
+        got = [r for r in got if not r.error and r.num_steps]
+        lag = version - min((min(r.policy_version) for r in got), default=version)
+        if lag > max_staleness:
+            dropped += 1
+            continue
+        records += got
+        behind = max(behind, lag)
+    return records, dropped, behind
+
+
+class _Rounds:
+    """One generation round in flight on every rollout worker; a finished round is replaced at once by the next
+    prompts of the feed, so the workers never wait for the learner."""
+
+    def __init__(
+        self, workers: Sequence[Any], prompts: Sequence[list[int]], per_round: int, sampling: Sampling
+    ):
+        self.prompts, self.n, self.sampling = prompts, per_round, sampling
+        self.feed = itertools.cycle(range(0, max(1, len(prompts)), per_round))
+        self.inflight = {self._submit(w): w for w in workers}
+
+    def _submit(self, worker: Any) -> Any:
+        i = next(self.feed)
+        return worker.generate.remote(list(self.prompts[i : i + self.n]), self.sampling)
+
+    def take(self) -> list[list[RequestRecord]]:
+        """Wait for one round, then take every other round that has finished too."""
+        import ray
+
+        ready, _ = ray.wait(list(self.inflight), num_returns=1)
+        rest = [r for r in self.inflight if r != ready[0]]
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        out = []
+        for ref in ready + more:
+            worker = self.inflight.pop(ref)
+            out.append(ray.get(ref))
+            self.inflight[self._submit(worker)] = worker  # keep it busy
+        return out
+
+
+def _resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict[str, Any]]:
+    """The checkpoint to continue from (`resume=true`) and its training state, or (None, {})."""
+    import torch
+
+    last = latest_checkpoint(run_dir / "checkpoints" / "opd", "training_state.pt") if cfg.resume else None
+    if last is None:
+        return None, {}
+    return last, torch.load(last / "training_state.pt", weights_only=False)
 
 
 def run_opd(
@@ -227,26 +264,25 @@ def run_opd(
     metrics: MetricsLogger,
 ) -> Path:
     import ray
-    import torch
     from tqdm import tqdm
 
     from draft_opd_ray.models.target import read_target_info
 
     info = read_target_info(target)
-    start_step = 0
     flops = {"flops_draft": 0.0, "flops_target": 0.0, "flops_rollout": 0.0}
-    resume = latest_checkpoint(run_dir) if cfg.resume else None
-    if resume is not None:
-        draft_dir = str(resume / "draft")
-        saved = torch.load(resume / "training_state.pt", weights_only=False)
-        start_step = int(saved["step"])
-        flops.update(saved.get("flops", {}))
-    actors = start_actors(cfg, plan, target, draft_dir, cfg.opd.steps * cfg.learner.mini_batches)
+    resume, saved = _resume_point(cfg, run_dir)
+    start_step = int(saved.get("step", 0))
+    flops.update(saved.get("flops", {}))
+    actors = start_actors(
+        cfg,
+        plan,
+        target,
+        str(resume / "draft") if resume else draft_dir,
+        cfg.opd.steps * cfg.learner.mini_batches,
+    )
     workers, replay, learner = actors["workers"], actors["replay"], actors["learner"]
     if resume is not None:
-        ray.get(
-            learner.load_optimizer_state.remote(torch.load(resume / "training_state.pt", weights_only=False))
-        )
+        ray.get(learner.load_optimizer_state.remote(saved))
         # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
         # round would look start_step versions stale and be dropped)
         ray.get([w.set_version.remote(start_step) for w in workers])
@@ -261,31 +297,16 @@ def run_opd(
         seed=cfg.seed,
         stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
     )
-    n = cfg.rollout.prompts_per_round
-    feed = itertools.cycle(range(0, max(1, len(prompts)), n))
-    inflight = {w.generate.remote(list(prompts[i : i + n]), sampling): w for w, i in zip(workers, feed)}
-    version, dropped, last = start_step, 0, draft_dir
+    rounds = _Rounds(workers, prompts, cfg.rollout.prompts_per_round, sampling)
+    version, dropped, last = start_step, 0, str(resume / "draft") if resume else draft_dir
     bar = tqdm(range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps)
     for step in bar:
         t0 = time.time()
         records: list[RequestRecord] = []
         behind = 0
-        while not records:  # wait for one round, then take every other round that has finished too
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            more, _ = ray.wait(
-                [r for r in inflight if r != ready[0]], num_returns=len(inflight) - 1, timeout=0
-            )
-            for ref in ready + more:
-                worker = inflight.pop(ref)
-                got = [r for r in ray.get(ref) if not r.error and r.num_steps]
-                i = next(feed)
-                inflight[worker.generate.remote(list(prompts[i : i + n]), sampling)] = worker  # keep it busy
-                lag = version - min((min(r.policy_version) for r in got), default=version)
-                if lag > cfg.async_.max_staleness:
-                    dropped += 1
-                    continue
-                records += got
-                behind = max(behind, lag)
+        while not records:
+            records, d, behind = take_rounds(rounds.take(), version, cfg.async_.max_staleness)
+            dropped += d
         t_roll = time.time() - t0
         write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
         items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
@@ -367,15 +388,3 @@ def _agreement(teacher: Sequence[Any]) -> float:
     """Share of anchors whose greedy acceptance under replay equals the recorded one (HF vs vLLM numerics)."""
     pairs = [(int(a), int(b)) for t in teacher for a, b in zip(t.accepted, t.replay_accepted)]
     return sum(a == b for a, b in pairs) / max(1, len(pairs))
-
-
-def summary(run_dir: Path) -> dict[str, Any]:
-    from draft_opd_ray.metrics import read_metrics
-
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["stage"] == "opd" and "loss" in r]
-    return {
-        "steps": len(rows),
-        "first_tau": rows[0]["tau"] if rows else None,
-        "last_tau": rows[-1]["tau"] if rows else None,
-        "json": json.dumps(rows[-1] if rows else {}),
-    }

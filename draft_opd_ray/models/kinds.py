@@ -1,0 +1,172 @@
+"""The draft kinds in one table: what each is, how vLLM serves it, and where its pieces live.
+
+    kind        vLLM method   conditions on target features   can start without SFT or draft.path
+    eagle3      eagle3        yes (aux layer inputs)          yes (a fresh head)
+    standalone  draft_model   no (a causal LM of its own)     no
+    dflash      dflash        yes (target layer outputs)      no
+
+Each entry names, as "module:attribute" (imported when first used, so this module stays free of torch and of
+the packages above `models/`), its loader and saver (the vLLM-served folder format), the Draft-OPD student
+(`opd/students.py`), the SFT recipe (`sft/recipes.py`) and the reference-engine drafter (`rollout/drafters.py`).
+Everything that depends on the kind asks this table; no other module compares kind names. The kind-specific
+config checks live here too, for the same reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draft_opd_ray.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from draft_opd_ray.config.schema import DraftConfig
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    name: str
+    vllm_method: str  # speculative_config["method"]
+    architecture: str  # config.json "architectures" of the exported folder
+    feature_conditioned: bool  # needs target hidden states (replay ships them)
+    starts_fresh: bool  # the opd stage may start from a freshly initialised draft
+    loader: str  # (folder, target folder) -> nn.Module
+    saver: str  # (module, out folder, target folder) -> Path
+    student_ref: str  # opd/students.py class
+    recipe_ref: str  # sft/recipes.py builder
+    drafter_ref: str  # rollout/drafters.py factory (target model, folder, target folder) -> drafter
+    fresh_ref: str | None = None  # (target folder, DraftConfig, seed) -> nn.Module
+
+    def load(self, path: str | os.PathLike[str], target: str | os.PathLike[str]) -> Any:
+        return _resolve(self.loader)(path, target)
+
+    def save(self, model: Any, out: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+        return Path(_resolve(self.saver)(model, out, target))
+
+    def student(self) -> Callable[..., Any]:
+        return _resolve(self.student_ref)  # type: ignore[no-any-return]
+
+    def recipe(self) -> Callable[..., Any]:
+        return _resolve(self.recipe_ref)  # type: ignore[no-any-return]
+
+    def drafter(self, target_model: Any, path: str | os.PathLike[str], target: str | os.PathLike[str]) -> Any:
+        return _resolve(self.drafter_ref)(target_model, path, target)
+
+    def fresh(self, target: str | os.PathLike[str], draft: DraftConfig, seed: int) -> Any:
+        if self.fresh_ref is None:
+            raise ConfigError(f"draft.path: a {self.name} draft needs draft.path or the sft stage")
+        return _resolve(self.fresh_ref)(target, draft, seed)
+
+
+KINDS: dict[str, DraftKind] = {
+    k.name: k
+    for k in (
+        DraftKind(
+            name="eagle3",
+            vllm_method="eagle3",
+            architecture="LlamaForCausalLMEagle3",
+            feature_conditioned=True,
+            starts_fresh=True,
+            loader="draft_opd_ray.models.eagle3:load_eagle3",
+            saver="draft_opd_ray.models.eagle3:save_eagle3",
+            student_ref="draft_opd_ray.opd.students:Eagle3Student",
+            recipe_ref="draft_opd_ray.sft.recipes:eagle3_recipe",
+            drafter_ref="draft_opd_ray.rollout.drafters:eagle3_drafter",
+            fresh_ref="draft_opd_ray.models.eagle3:fresh_eagle3",
+        ),
+        DraftKind(
+            name="standalone",
+            vllm_method="draft_model",
+            architecture="",  # the target's own (an ordinary causal LM folder)
+            feature_conditioned=False,
+            starts_fresh=False,
+            loader="draft_opd_ray.models.standalone:load_standalone",
+            saver="draft_opd_ray.models.standalone:save_standalone",
+            student_ref="draft_opd_ray.opd.students:StandaloneStudent",
+            recipe_ref="draft_opd_ray.sft.recipes:standalone_recipe",
+            drafter_ref="draft_opd_ray.rollout.drafters:standalone_drafter",
+        ),
+        DraftKind(
+            name="dflash",
+            vllm_method="dflash",
+            architecture="DFlashDraftModel",
+            feature_conditioned=True,
+            starts_fresh=False,
+            loader="draft_opd_ray.models.dflash:load_dflash",
+            saver="draft_opd_ray.models.dflash:save_dflash",
+            student_ref="draft_opd_ray.opd.students:DFlashStudent",
+            recipe_ref="draft_opd_ray.sft.recipes:dflash_recipe",
+            drafter_ref="draft_opd_ray.rollout.drafters:dflash_drafter",
+        ),
+    )
+}
+
+
+def draft_kind(name: str) -> DraftKind:
+    if name not in KINDS:
+        raise ConfigError(f"draft.kind: must be one of {list(KINDS)}, got {name!r}")
+    return KINDS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kind-specific checks (config only: no weights are read)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_draft_config(d: DraftConfig) -> None:
+    """What a DraftConfig can refute on its own."""
+    if d.kind == "dflash" and d.num_speculative_tokens != d.block_size - 1:
+        raise ConfigError(
+            f"draft.num_speculative_tokens: DFlash proposes block_size - 1 = {d.block_size - 1} tokens per step, "
+            f"got {d.num_speculative_tokens} (set both, e.g. draft.block_size=8 draft.num_speculative_tokens=7)"
+        )
+
+
+def check_draft_fits_target(d: DraftConfig, num_layers: int, vocab_size: int) -> None:
+    """Layer ids and sizes that the target's config.json can already refute."""
+    if d.kind == "eagle3" and d.aux_layer_ids is not None:
+        bad = [i for i in d.aux_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(
+                f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers"
+            )
+    if d.kind == "eagle3" and d.draft_vocab_size > vocab_size:
+        raise ConfigError(
+            f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}"
+        )
+    if d.kind == "standalone" and d.path is None and not 1 <= d.num_layers < num_layers:
+        raise ConfigError(
+            f"draft.num_layers: a standalone draft made of target layers needs 1..{num_layers - 1} layers "
+            f"(the target has {num_layers}), got {d.num_layers}"
+        )
+    if d.kind == "dflash" and d.mask_token_id is not None and not 0 <= d.mask_token_id < vocab_size:
+        raise ConfigError(
+            f"draft.mask_token_id: {d.mask_token_id} is outside the target vocabulary [0, {vocab_size})"
+        )
+
+
+def check_vocab_match(target: str | Path, draft: str | Path, kind: str) -> None:
+    """A draft that shares the target's vocabulary must have its size (EAGLE-3 maps its own via d2t)."""
+    t = json.loads((Path(target) / "config.json").read_text())
+    d = json.loads((Path(draft) / "config.json").read_text())
+    tv = t.get("vocab_size") or t.get("text_config", {}).get("vocab_size")
+    dv = d.get("vocab_size")
+    if kind == "standalone" and tv != dv:
+        raise ModelError(
+            f"draft.path: draft vocabulary {dv} differs from the target's {tv}; a standalone draft "
+            "must use the target's tokenizer"
+        )
+    if kind == "eagle3" and d.get("draft_vocab_size", dv) > tv:
+        raise ModelError(
+            f"draft.path: draft_vocab_size {d.get('draft_vocab_size')} exceeds the target's {tv}"
+        )

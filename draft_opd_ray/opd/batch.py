@@ -1,0 +1,94 @@
+"""Data contracts between the Draft-OPD actors, and the packing math of the replay forward (torch only).
+
+    ReplayItem   driver -> replay actor: one committed sequence and its selected anchors (recorded blocks)
+    TeacherItem  replay actor -> learner: the same sequence scored by the target (features, teacher log-probs,
+                 acceptance recomputed), in the draft's vocabulary
+Positions are indices into the committed sequence x = prompt + response (docs/design.md, "Records"): anchor n is
+the last committed token before a block, block position k = 1..K has context x_{<=n} y_{<k}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ReplayItem:
+    """One committed sequence and its selected anchors (recorded blocks)."""
+
+    input_ids: list[int]  # prompt + response, committed tokens
+    anchor_pos: list[int]  # (N,) index of the last committed token before each block
+    drafted: list[list[int]]  # (N, K') recorded drafted target ids
+    accepted: list[int]  # (N,) recorded acceptance
+    policy_version: int
+
+
+@dataclass
+class TeacherItem:
+    input_ids: torch.Tensor  # (T,) long
+    features: torch.Tensor  # (T, A*H) target aux hidden states (HF hidden_states[i], i in aux ids)
+    anchor_pos: torch.Tensor  # (N,) long
+    drafted: torch.Tensor  # (N, K) long, right-padded with 0
+    valid_len: torch.Tensor  # (N,) long, K' <= K positions that have a teacher
+    accepted: torch.Tensor  # (N,) long, recorded acceptance (clipped to valid_len)
+    replay_accepted: torch.Tensor  # (N,) long, greedy acceptance recomputed by the teacher
+    teacher_logprobs: torch.Tensor | None  # (N, K, Vd) log p_k over the draft vocabulary (payload "full")
+    policy_version: int
+    teacher_topk_ids: torch.Tensor | None = (
+        None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
+    )
+    teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
+
+
+def payload_bytes(t: TeacherItem) -> int:
+    """What one scored sequence ships to the learner (features + teacher)."""
+    parts = [t.features, t.teacher_logprobs, t.teacher_topk_ids, t.teacher_topk_logprobs]
+    return sum(x.numel() * x.element_size() for x in parts if x is not None)
+
+
+@dataclass
+class PackedBranches:
+    """The committed sequence followed by every anchor's rejected branch, scored in ONE forward."""
+
+    input_ids: torch.Tensor  # (T + B,)
+    position_ids: torch.Tensor  # (T + B,)
+    mask: torch.Tensor  # (T + B, T + B) additive: 0 where attention is allowed, -inf elsewhere
+    rows: list[torch.Tensor]  # per anchor: the logit rows that are its teacher positions k = 1..valid
+
+
+def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
+    """Block position k of anchor (n, y, a) has context x_{<=n} y_{<k}. For k <= a+1 that is the committed
+    stream (row n+k-1). For k >= a+2 the context contains the rejected y_{a+1}: those rows are a branch
+    y_{a+1}..y_{K'-1} appended after the stream at positions n+a+1.., attending to x_{<=n+a} and to the earlier
+    tokens of its own branch only (a tree mask, as in tree-attention verification)."""
+    T = len(it.input_ids)
+    ids, pos, rows = list(it.input_ids), list(range(T)), []
+    spans: list[tuple[int, int, int]] = []  # (first packed index, length, prefix end n+a inclusive)
+    for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
+        kk = min(len(y), k)
+        on_stream = max(0, min(a + 1, kk, T - n))
+        r = list(range(n, n + on_stream))
+        if on_stream == a + 1 and a + 1 < kk:
+            start = len(ids)
+            branch = list(y[a : kk - 1])
+            ids += branch
+            pos += list(range(n + a + 1, n + kk))
+            spans.append((start, len(branch), n + a))
+            r += list(range(start, start + len(branch)))
+        rows.append(torch.tensor(r, dtype=torch.long))
+    return PackedBranches(torch.tensor(ids), torch.tensor(pos), branch_mask(len(ids), T, spans), rows)
+
+
+def branch_mask(length: int, stream_len: int, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """(L, L) additive tree mask: causal over the first ``stream_len`` tokens (the committed stream); each span
+    (first packed index, length, last stream position it sees) attends to the stream up to and including that
+    position and causally to itself, never to another span."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[stream_len:, :] = False
+    for start, n, last in spans:
+        allowed[start : start + n, : last + 1] = True
+        allowed[start : start + n, start : start + n] = torch.ones(n, n).tril().bool()
+    return torch.zeros(length, length).masked_fill(~allowed, float("-inf"))
