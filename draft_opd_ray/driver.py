@@ -93,16 +93,7 @@ def opd_stage(
         ignore_reinit_error=True,
     )
     try:
-        out = run_opd(
-            cfg,
-            plan,
-            target=target,
-            draft_dir=draft,
-            prompts=prompts,
-            eos_token_id=eos,
-            run_dir=run_dir,
-            metrics=metrics,
-        )
+        out = run_opd(cfg, plan, target, draft, prompts, eos, run_dir, metrics)
     finally:
         ray.shutdown()
     return str(out)

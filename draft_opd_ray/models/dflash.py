@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
@@ -47,15 +46,18 @@ from draft_opd_ray.models.layers import RMSNorm, SwiGLU, apply_rope, init_weight
 from draft_opd_ray.models.target import (
     TargetInfo,
     check_layer_ids,
+    decoder_shape_from_json,
+    decoder_shape_json,
+    read_draft_folder,
     read_target_info,
     read_target_tensors,
     rope_theta_of,
     spread_layer_ids,
     target_config,
+    write_draft_folder,
 )
 
 ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -337,19 +339,8 @@ def dflash_hf_config(c: DFlashConfig, t: TargetInfo) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
+        **decoder_shape_json(c, t),
         "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": c.num_layers,
@@ -358,10 +349,6 @@ def dflash_hf_config(c: DFlashConfig, t: TargetInfo) -> dict[str, Any]:
         "num_target_layers": t.num_layers,
         "target_hidden_size": t.hidden_size,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
-        "bos_token_id": t.bos_token_id,
-        "eos_token_id": t.eos_token_id,
-        "pad_token_id": t.pad_token_id,
-        "dtype": "float32",
         "draft_opd": {"kind": "dflash"},
     }
 
@@ -372,12 +359,7 @@ def save_dflash(
     """Write ``config.json`` + ``model.safetensors`` (float32, no embedding / LM head) for vLLM's dflash."""
     info = read_target_info(target_path)
     check_dflash_against_target(model.config, info, special_token_ids(target_path))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.trainable_state_dict().items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(dflash_hf_config(model.config, info), indent=2) + "\n")
-    return out
+    return write_draft_folder(out_dir, model.trainable_state_dict(), dflash_hf_config(model.config, info))
 
 
 def _config_from_json(cfg: dict[str, Any], where: str) -> DFlashConfig:
@@ -385,21 +367,12 @@ def _config_from_json(cfg: dict[str, Any], where: str) -> DFlashConfig:
         raise ModelError(f"{where}: architectures {cfg.get('architectures')} are not a DFlash drafter")
     dcfg = cfg.get("dflash_config") or {}
     try:
-        heads = int(cfg["num_attention_heads"])
         return DFlashConfig(
-            hidden_size=int(cfg["hidden_size"]),
+            **decoder_shape_from_json(cfg, where, eps=1e-6),
             num_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
             block_size=int(cfg.get("block_size") or dcfg["block_size"]),
             mask_token_id=int(dcfg["mask_token_id"] if "mask_token_id" in dcfg else cfg["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta_of(cfg, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{where}: incomplete DFlash config.json ({exc!r})") from exc
@@ -409,11 +382,7 @@ def load_dflash(path: str | os.PathLike[str], target_path: str | os.PathLike[str
     """Load a drafter written by :func:`save_dflash`; the target supplies the embedding and LM head."""
     folder = Path(path)
     where = f"DFlash draft '{folder}'"
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-        tensors = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{where}: cannot read config.json / {WEIGHTS_FILE}: {exc}") from exc
+    cfg, tensors = read_draft_folder(folder, where)
     c = _config_from_json(cfg, where)
     check_dflash_against_target(c, read_target_info(target_path), special_token_ids(target_path), where)
     w = read_target_tensors(target_path, ["model.embed_tokens.weight", "lm_head.weight"])

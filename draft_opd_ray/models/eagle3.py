@@ -31,7 +31,6 @@ then builds no id map and would reject a d2t tensor.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
@@ -48,15 +46,18 @@ from draft_opd_ray.models.layers import RMSNorm, SwiGLU, apply_rope, init_weight
 from draft_opd_ray.models.target import (
     TargetInfo,
     check_layer_ids,
+    decoder_shape_from_json,
+    decoder_shape_json,
+    read_draft_folder,
     read_target_info,
     read_target_tensors,
     rope_theta_of,
     spread_layer_ids,
     target_config,
+    write_draft_folder,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-WEIGHTS_FILE = "model.safetensors"
 
 
 def chain_attention(
@@ -337,8 +338,12 @@ class Eagle3Draft(nn.Module):
         drafted: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Like ``block_logits`` but returns the normed hidden states (B, N, K, H) that feed ``lm_head``, for
-        losses that apply the head chunk by chunk over the vocabulary."""
+        """Student side of Draft-OPD replay, all anchors of a batch of sequences at once: the normed hidden
+        states (B, N, K, H) that feed ``lm_head`` (losses apply the head chunk by chunk over the vocabulary).
+
+        input_ids (B, T) committed sequences; features (B, T, A*Ht) their target aux states; anchor_pos (B, N)
+        anchor positions n; drafted (B, N, K) drafted target ids y_1..y_K; [..., k-1, :] conditions on x_{<=n}
+        and y_{<k}."""
         valid = (
             torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         )
@@ -347,21 +352,10 @@ class Eagle3Draft(nn.Module):
         )
         return self.norm(torch.stack(steps, dim=2))
 
-    def block_logits(
-        self,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        anchor_pos: torch.Tensor,
-        drafted: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Student side of Draft-OPD replay, all anchors of a batch of sequences at once.
-
-        input_ids (B, T) committed sequences; features (B, T, A*Ht) their target aux states; anchor_pos (B, N)
-        anchor positions n; drafted (B, N, K) drafted target ids y_1..y_K. Returns (B, N, K, Vd) draft logits;
-        [..., k-1, :] is q_k, the draft's distribution of y_k given x_{<=n} and y_{<k} (teacher forcing).
-        """
-        return self.lm_head(self.block_hidden(input_ids, features, anchor_pos, drafted, attention_mask))
+    def block_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``lm_head`` over :meth:`block_hidden` (same arguments): (B, N, K, Vd) draft logits, [..., k-1, :] is
+        q_k, the draft's distribution of y_k given x_{<=n} and y_{<k} (teacher forcing)."""
+        return self.lm_head(self.block_hidden(*args, **kwargs))  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def propose(
@@ -529,26 +523,11 @@ def eagle3_hf_config(c: Eagle3Config, t: TargetInfo) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
+        **decoder_shape_json(c, t),
         "num_hidden_layers": 1,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": t.bos_token_id,
-        "eos_token_id": t.eos_token_id,
-        "pad_token_id": t.pad_token_id,
-        "dtype": "float32",
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
             "use_aux_hidden_state": True,
@@ -567,15 +546,11 @@ def save_eagle3(
     """Write ``config.json`` + ``model.safetensors`` (float32) as vLLM's eagle3 loader expects."""
     info = read_target_info(target_path)
     check_eagle3_against_target(model.config, info)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     skip = set() if include_embeddings else {"embed_tokens.weight"}
     if model.config.draft_vocab_size == model.config.vocab_size:
         skip |= {"d2t", "t2d"}
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in skip}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(eagle3_hf_config(model.config, info), indent=2) + "\n")
-    return out
+    tensors = {k: v for k, v in model.state_dict().items() if k not in skip}
+    return write_draft_folder(out_dir, tensors, eagle3_hf_config(model.config, info))
 
 
 def _config_from_json(cfg: dict[str, Any], where: str) -> Eagle3Config:
@@ -588,19 +563,10 @@ def _config_from_json(cfg: dict[str, Any], where: str) -> Eagle3Config:
     if not aux:
         raise ModelError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing")
     try:
-        heads = int(cfg["num_attention_heads"])
         c = Eagle3Config(
-            hidden_size=int(cfg["hidden_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
+            **decoder_shape_from_json(cfg, where, eps=1e-5),
             draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
             aux_layer_ids=tuple(int(i) for i in aux),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=rope_theta_of(cfg, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{where}: incomplete EAGLE-3 config.json ({exc!r})") from exc
@@ -618,11 +584,7 @@ def load_eagle3(
     """
     folder = Path(path)
     where = f"EAGLE-3 draft '{folder}'"
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-        tensors = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{where}: cannot read config.json / {WEIGHTS_FILE}: {exc}") from exc
+    cfg, tensors = read_draft_folder(folder, where)
     c = _config_from_json(cfg, where)
     if target_path is not None:
         check_eagle3_against_target(c, read_target_info(target_path))

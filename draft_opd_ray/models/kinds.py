@@ -5,8 +5,8 @@
     standalone  draft_model   no (a causal LM of its own)     no
     dflash      dflash        yes (target layer outputs)      no
 
-Each entry names, as "module:attribute" (imported when first used, so this module stays free of torch and of
-the packages above `models/`), its loader and saver (the vLLM-served folder format), the Draft-OPD student
+Each entry finds, by name and imported when first used (so this module stays free of torch and of the packages
+above `models/`), its loader and saver (the vLLM-served folder format), the Draft-OPD student
 (`opd/students.py`), the SFT recipe (`sft/recipes.py`) and the reference-engine drafter (`rollout/drafters.py`).
 Everything that depends on the kind asks this table; no other module compares kind names. The kind-specific
 config checks live here too, for the same reason.
@@ -20,12 +20,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from draft_opd_ray.errors import ConfigError, ModelError
-
-if TYPE_CHECKING:
-    from draft_opd_ray.config.schema import DraftConfig
 
 
 def _resolve(ref: str) -> Any:
@@ -35,79 +32,45 @@ def _resolve(ref: str) -> Any:
 
 @dataclass(frozen=True)
 class DraftKind:
+    """One row of the table. Its pieces are found by convention from the name (e.g. "eagle3"):
+    models/<name>.py: load_<name>, save_<name>, fresh_<name>; sft/recipes.py: <name>_recipe;
+    rollout/drafters.py: <name>_drafter; opd/students.py: <student_class>Student."""
+
     name: str
     vllm_method: str  # speculative_config["method"]
-    architecture: str  # config.json "architectures" of the exported folder
+    architecture: str  # config.json "architectures" of the exported folder ("" = the target's own)
     feature_conditioned: bool  # needs target hidden states (replay ships them)
     starts_fresh: bool  # the opd stage may start from a freshly initialised draft
-    loader: str  # (folder, target folder) -> nn.Module
-    saver: str  # (module, out folder, target folder) -> Path
-    student_ref: str  # opd/students.py class
-    recipe_ref: str  # sft/recipes.py builder
-    drafter_ref: str  # rollout/drafters.py factory (target model, folder, target folder) -> drafter
-    fresh_ref: str | None = None  # (target folder, DraftConfig, seed) -> nn.Module
+    student_class: str
 
     def load(self, path: str | os.PathLike[str], target: str | os.PathLike[str]) -> Any:
-        return _resolve(self.loader)(path, target)
+        return _resolve(f"draft_opd_ray.models.{self.name}:load_{self.name}")(path, target)
 
     def save(self, model: Any, out: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
-        return Path(_resolve(self.saver)(model, out, target))
+        return Path(_resolve(f"draft_opd_ray.models.{self.name}:save_{self.name}")(model, out, target))
 
     def student(self) -> Callable[..., Any]:
-        return _resolve(self.student_ref)  # type: ignore[no-any-return]
+        return _resolve(f"draft_opd_ray.opd.students:{self.student_class}Student")  # type: ignore[no-any-return]
 
     def recipe(self) -> Callable[..., Any]:
-        return _resolve(self.recipe_ref)  # type: ignore[no-any-return]
+        return _resolve(f"draft_opd_ray.sft.recipes:{self.name}_recipe")  # type: ignore[no-any-return]
 
     def drafter(self, target_model: Any, path: str | os.PathLike[str], target: str | os.PathLike[str]) -> Any:
-        return _resolve(self.drafter_ref)(target_model, path, target)
+        return _resolve(f"draft_opd_ray.rollout.drafters:{self.name}_drafter")(target_model, path, target)
 
-    def fresh(self, target: str | os.PathLike[str], draft: DraftConfig, seed: int) -> Any:
-        if self.fresh_ref is None:
+    def fresh(self, target: str | os.PathLike[str], draft: Any, seed: int) -> Any:
+        """A freshly initialised draft for ``draft`` (a DraftConfig)."""
+        if not self.starts_fresh:
             raise ConfigError(f"draft.path: a {self.name} draft needs draft.path or the sft stage")
-        return _resolve(self.fresh_ref)(target, draft, seed)
+        return _resolve(f"draft_opd_ray.models.{self.name}:fresh_{self.name}")(target, draft, seed)
 
 
 KINDS: dict[str, DraftKind] = {
     k.name: k
     for k in (
-        DraftKind(
-            name="eagle3",
-            vllm_method="eagle3",
-            architecture="LlamaForCausalLMEagle3",
-            feature_conditioned=True,
-            starts_fresh=True,
-            loader="draft_opd_ray.models.eagle3:load_eagle3",
-            saver="draft_opd_ray.models.eagle3:save_eagle3",
-            student_ref="draft_opd_ray.opd.students:Eagle3Student",
-            recipe_ref="draft_opd_ray.sft.recipes:eagle3_recipe",
-            drafter_ref="draft_opd_ray.rollout.drafters:eagle3_drafter",
-            fresh_ref="draft_opd_ray.models.eagle3:fresh_eagle3",
-        ),
-        DraftKind(
-            name="standalone",
-            vllm_method="draft_model",
-            architecture="",  # the target's own (an ordinary causal LM folder)
-            feature_conditioned=False,
-            starts_fresh=False,
-            loader="draft_opd_ray.models.standalone:load_standalone",
-            saver="draft_opd_ray.models.standalone:save_standalone",
-            student_ref="draft_opd_ray.opd.students:StandaloneStudent",
-            recipe_ref="draft_opd_ray.sft.recipes:standalone_recipe",
-            drafter_ref="draft_opd_ray.rollout.drafters:standalone_drafter",
-        ),
-        DraftKind(
-            name="dflash",
-            vllm_method="dflash",
-            architecture="DFlashDraftModel",
-            feature_conditioned=True,
-            starts_fresh=False,
-            loader="draft_opd_ray.models.dflash:load_dflash",
-            saver="draft_opd_ray.models.dflash:save_dflash",
-            student_ref="draft_opd_ray.opd.students:DFlashStudent",
-            recipe_ref="draft_opd_ray.sft.recipes:dflash_recipe",
-            drafter_ref="draft_opd_ray.rollout.drafters:dflash_drafter",
-        ),
+        DraftKind("eagle3", "eagle3", "LlamaForCausalLMEagle3", True, True, "Eagle3"),
+        DraftKind("standalone", "draft_model", "", False, False, "Standalone"),
+        DraftKind("dflash", "dflash", "DFlashDraftModel", True, False, "DFlash"),
     )
 }
 
@@ -123,7 +86,7 @@ def draft_kind(name: str) -> DraftKind:
 # --------------------------------------------------------------------------------------------------
 
 
-def check_draft_config(d: DraftConfig) -> None:
+def check_draft_config(d: Any) -> None:
     """What a DraftConfig can refute on its own."""
     if d.kind == "dflash" and d.num_speculative_tokens != d.block_size - 1:
         raise ConfigError(
@@ -132,7 +95,7 @@ def check_draft_config(d: DraftConfig) -> None:
         )
 
 
-def check_draft_fits_target(d: DraftConfig, num_layers: int, vocab_size: int) -> None:
+def check_draft_fits_target(d: Any, num_layers: int, vocab_size: int) -> None:
     """Layer ids and sizes that the target's config.json can already refute."""
     if d.kind == "eagle3" and d.aux_layer_ids is not None:
         bad = [i for i in d.aux_layer_ids if not 0 <= i < num_layers]

@@ -44,19 +44,22 @@ def _vocab_size(src: Path, cfg: dict[str, Any]) -> int:
     return len(AutoTokenizer.from_pretrained(str(src), local_files_only=True))
 
 
-def _build(
+def build_tiny_target(
     out_dir: str | os.PathLike[str],
-    tokenizer_from: str | os.PathLike[str],
     *,
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    max_position_embeddings: int,
-    seed: int,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike[str],
 ) -> Path:
+    """Write a tiny random Llama target (fp32, safetensors, tied embeddings, 2048 positions) to ``out_dir``.
+
+    ``tokenizer_from`` is a model folder (normally the embedded target's) or the embedded target name;
+    its tokenizer files are copied and its vocabulary size and special token ids are used.
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -72,12 +75,12 @@ def _build(
     config = LlamaConfig(
         vocab_size=_vocab_size(src, src_cfg),
         hidden_size=hidden,
-        intermediate_size=intermediate,
+        intermediate_size=4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,
@@ -102,36 +105,6 @@ def _build(
     return out
 
 
-def build_tiny_target(
-    out_dir: str | os.PathLike[str],
-    *,
-    hidden: int = 64,
-    layers: int = 4,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 32,
-    seed: int = 0,
-    tokenizer_from: str | os.PathLike[str],
-) -> Path:
-    """Write a tiny random Llama target (fp32, safetensors, tied embeddings, 2048 positions) to ``out_dir``.
-
-    ``tokenizer_from`` is a model folder (normally the embedded target's) or the embedded target name;
-    its tokenizer files are copied and its vocabulary size and special token ids are used.
-    """
-    return _build(
-        out_dir,
-        tokenizer_from,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=4 * hidden,
-        max_position_embeddings=2048,
-        seed=seed,
-    )
-
-
 def build_tiny_standalone_draft(
     out_dir: str | os.PathLike[str],
     *,
@@ -147,15 +120,5 @@ def build_tiny_standalone_draft(
 
     Served by vLLM as ``speculative_config={"method": "draft_model", "model": out_dir, ...}``.
     """
-    return _build(
-        out_dir,
-        tokenizer_from,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=4 * hidden,
-        max_position_embeddings=2048,
-        seed=seed,
-    )
+    shape = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    return build_tiny_target(out_dir, tokenizer_from=tokenizer_from, seed=seed, **shape)

@@ -255,7 +255,6 @@ def _resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict[str, An
 def run_opd(
     cfg: Config,
     plan: PlacementPlan,
-    *,
     target: str,
     draft_dir: str,
     prompts: Sequence[list[int]],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,9 +100,12 @@ def target_features(
     ]
 
 
-def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Greedy length-sorted batches of at most ``batch_tokens`` padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def length_batches(lengths: Sequence[int], batch_tokens: int, seed: int | None = None) -> list[list[int]]:
+    """Sequences grouped by similar length into batches of <= batch_tokens padded tokens. ``seed``: equal
+    lengths in random order and the batches shuffled (training); None: in index order (the feature pass)."""
+    rng = random.Random(seed)
+    tie = (lambda i: rng.random()) if seed is not None else (lambda i: i)
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tie(i)))
     out: list[list[int]] = []
     cur: list[int] = []
     for i in order:
@@ -111,6 +115,8 @@ def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
         cur.append(i)
     if cur:
         out.append(cur)
+    if seed is not None:
+        rng.shuffle(out)
     return out
 
 
@@ -183,7 +189,7 @@ class FeatureCache:
             top1 = torch.empty(total, dtype=torch.int32)
             start = time.monotonic()
             bar = tqdm(total=total, desc="target features", unit="tok")
-            for batch in _batches([len(s) for s in seqs], batch_tokens):
+            for batch in length_batches([len(s) for s in seqs], batch_tokens):
                 res = target_features(
                     model,
                     [seqs[i] for i in batch],

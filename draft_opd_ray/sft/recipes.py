@@ -41,6 +41,17 @@ from draft_opd_ray.models.target import read_target_info, read_target_tensors
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass(frozen=True)
+class RecipeInputs:
+    """What every recipe builder gets besides the target and the draft config."""
+
+    seqs: Sequence[Sequence[int]]  # prompt + response token ids of each trajectory
+    prompt_lens: Sequence[int]
+    init: str = "target"  # EAGLE-3: "target" (a slice of the target) or "random"
+    start_from: str | os.PathLike[str] | None = None  # an exported draft to continue from
+    seed: int = 0
+
+
 @dataclass
 class Recipe:
     kind: str
@@ -187,29 +198,22 @@ def _ttt_flops(c: Any, batch: dict[str, torch.Tensor], ttt_steps: int) -> float:
     return B * eagle3_block_flops(c, T, n, ttt_steps).total
 
 
-def eagle3_recipe(
-    target: str | os.PathLike[str],
-    draft: DraftConfig,
-    *,
-    seqs: Sequence[Sequence[int]],
-    prompt_lens: Sequence[int],
-    init: str = "target",
-    start_from: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-) -> Recipe:
+def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: RecipeInputs) -> Recipe:
     info = read_target_info(target)
     vd = min(draft.draft_vocab_size, info.vocab_size)
-    if start_from is not None:
-        head = load_eagle3(start_from, target)
+    if src.start_from is not None:
+        head = load_eagle3(src.start_from, target)
     else:
-        counts = draft_vocab_counts(seqs, prompt_lens, info.vocab_size) if vd < info.vocab_size else None
-        head = init_eagle3(
-            target, aux_layer_ids=draft.aux_layer_ids, draft_vocab_size=vd, token_counts=counts, seed=seed
+        counts = (
+            draft_vocab_counts(src.seqs, src.prompt_lens, info.vocab_size) if vd < info.vocab_size else None
         )
-        if init == "target":
+        head = init_eagle3(
+            target, aux_layer_ids=draft.aux_layer_ids, draft_vocab_size=vd, token_counts=counts, seed=src.seed
+        )
+        if src.init == "target":
             init_from_target(head, target)
-        elif init != "random":
-            raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+        elif src.init != "random":
+            raise ValueError(f"init must be 'target' or 'random', got {src.init!r}")
     head.lm_head.weight.requires_grad_(False)
     return Recipe(
         "eagle3",
@@ -272,19 +276,10 @@ def standalone_kd_loss(
     return loss, {"loss_0": float(loss.detach()), "acc_0": acc}
 
 
-def standalone_recipe(
-    target: str | os.PathLike[str],
-    draft: DraftConfig,
-    *,
-    seqs: Sequence[Sequence[int]],
-    prompt_lens: Sequence[int],
-    init: str = "target",
-    start_from: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-) -> Recipe:
+def standalone_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: RecipeInputs) -> Recipe:
     info = read_target_info(target)
-    if start_from is not None:
-        lm = load_standalone(start_from, target)
+    if src.start_from is not None:
+        lm = load_standalone(src.start_from, target)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             ids = standalone_layer_ids(draft.num_layers, info.num_layers)
@@ -405,26 +400,18 @@ def dflash_loss(gamma: float, anchors_per_seq: int, seed: int) -> LossFn:
 
 
 def dflash_recipe(
-    target: str | os.PathLike[str],
-    draft: DraftConfig,
-    *,
-    seqs: Sequence[Sequence[int]],
-    prompt_lens: Sequence[int],
-    init: str = "target",
-    start_from: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-    anchors: int = 64,
+    target: str | os.PathLike[str], draft: DraftConfig, src: RecipeInputs, anchors: int = 64
 ) -> Recipe:
     info = read_target_info(target)
-    if start_from is not None:
-        df = load_dflash(start_from, target)
+    if src.start_from is not None:
+        df = load_dflash(src.start_from, target)
     else:
         df = init_dflash(
             target,
             num_layers=draft.num_layers,
             block_size=draft.block_size,
             mask_token_id=draft.mask_token_id,
-            seed=seed,
+            seed=src.seed,
         )
 
     def flops(b: dict[str, torch.Tensor]) -> float:
@@ -436,7 +423,7 @@ def dflash_recipe(
         df,
         tuple(df.hidden_state_indices),
         torch.arange(info.vocab_size),
-        dflash_loss(draft.dflash_loss_gamma, anchors, seed),
+        dflash_loss(draft.dflash_loss_gamma, anchors, src.seed),
         flops,
         lambda m, out, t: save_dflash(m, out, t),  # type: ignore[arg-type]
     )
@@ -453,7 +440,5 @@ def build_recipe(
     seed: int = 0,
 ) -> Recipe:
     """The draft (fresh, or ``start_from`` an exported folder) and its recipe for ``draft.kind``."""
-    build = draft_kind(draft.kind).recipe()
-    return build(  # type: ignore[no-any-return]
-        target, draft, seqs=seqs, prompt_lens=prompt_lens, init=init, start_from=start_from, seed=seed
-    )
+    src = RecipeInputs(seqs, prompt_lens, init, start_from, seed)
+    return draft_kind(draft.kind).recipe()(target, draft, src)  # type: ignore[no-any-return]

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ from draft_opd_ray.distributed import init_process_group
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.models.target import read_target_info
 from draft_opd_ray.sft.data import read_trajectories
-from draft_opd_ray.sft.features import FeatureCache, OnTheFlyFeatures, SeqFeatures
+from draft_opd_ray.sft.features import FeatureCache, OnTheFlyFeatures, SeqFeatures, length_batches
 from draft_opd_ray.sft.recipes import Recipe, build_recipe
 
 log = logging.getLogger(__name__)
@@ -46,23 +45,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 # --------------------------------------------------------------------------------------------------
 # Batches and loss
 # --------------------------------------------------------------------------------------------------
-
-
-def length_batches(lengths: Sequence[int], batch_tokens: int, seed: int) -> list[list[int]]:
-    """Sequences grouped by similar length into batches of <= batch_tokens padded tokens, in shuffled order."""
-    rng = random.Random(seed)
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    rng.shuffle(out)
-    return out
 
 
 def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch.Tensor]:
