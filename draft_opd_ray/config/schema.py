@@ -300,12 +300,12 @@ class SFTConfig:
 
     # The EAGLE-3 warm start's recipe (other kinds override in their draft group). A head this small generalises
     # from the number of distinct target answers more than from more passes over them, so: many answers,
-    # generated in bfloat16 (1.5x faster on a CPU with AVX512-BF16; they are only contexts, the soft labels come
-    # from the teacher-forced forward), and small batches (docs/LOG.md, fifth and seventh sessions). On a 2-core
-    # CPU: ~10 min of answers (cold, cached after) + 33 min of features (~9) and training.
+    # generated in bfloat16 where the hardware has it (1.5x faster on a CPU with AVX512-BF16, several times slower
+    # on one without; they are only contexts, the soft labels come from the teacher-forced forward), and small batches (docs/LOG.md). On a 2-core CPU with AVX512-BF16:
+    # ~10 min of answers (cold, cached after) + 33 min of features (~9) and training.
     num_prompts: int = 1536  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
-    trajectory_dtype: str = "bfloat16"  # float32 | bfloat16
+    trajectory_dtype: str = "auto"  # auto (bfloat16 where the hardware has it, else float32) | float32 | bfloat16
     # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
     # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
     dataset_answers: int = 0
@@ -322,9 +322,9 @@ class SFTConfig:
         _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
         _check(self.dataset_answers >= 0, "sft.dataset_answers", "must be >= 0")
         _check(
-            self.trajectory_dtype in ("float32", "bfloat16"),
+            self.trajectory_dtype in ("auto", "float32", "bfloat16"),
             "sft.trajectory_dtype",
-            f"must be float32 or bfloat16, got {self.trajectory_dtype!r}",
+            f"must be auto, float32 or bfloat16, got {self.trajectory_dtype!r}",
         )
         _check(all(m > 0 for m in self.curve_minutes), "sft.curve_minutes", "values must be > 0")
         _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")

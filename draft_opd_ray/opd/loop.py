@@ -178,9 +178,7 @@ def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
     return per_token * (len(r.prompt_ids) + r.num_steps * (k + 1))
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, learner: Any, target: str, flops: dict[str, float] | None = None
-) -> Path:
+def save_checkpoint(run_dir: Path, step: int, learner: Any, flops: dict[str, float] | None = None) -> Path:
     """checkpoints/opd/step_<n>/{draft/, training_state.pt}, atomically (`draft_opd_ray.checkpoint`)."""
     import ray
     import torch
@@ -342,7 +340,7 @@ def run_opd(
         )
         bar.set_postfix(loss=f"{out.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
         if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
-            last = str(save_checkpoint(run_dir, step + 1, learner, target, flops) / "draft")
+            last = str(save_checkpoint(run_dir, step + 1, learner, flops) / "draft")
     sync.close()
     for w in workers:
         ray.get(w.shutdown.remote())

@@ -109,12 +109,12 @@ def generate_trajectories(
 ) -> Path:
     """Greedy target responses for ``prompts`` (token ids); returns the cached ``trajectories.parquet``.
 
-    ``dtype`` is the serving precision: bfloat16 generates ~1.5x faster on a CPU with AVX512-BF16, and its
-    greedy text is the target's own up to rounding (it drifts from the float32 text after some tokens). The
-    trajectories are only the contexts: the soft labels come from the target's teacher-forced forward.
-    The engine runs alone, so on CPU it binds every core (on 2 cores 529 tok/s against 318 on vLLM's default one),
-    and it decodes ``chunk`` requests at once with the KV cache to hold them (256: 615 tok/s against 545 for 128,
-    bfloat16; vLLM's CPU default caps a batch at 256 sequences)."""
+    ``dtype`` is the serving precision: bfloat16 is faster where the hardware has it (a CPU with AVX512-BF16,
+    a GPU), and its greedy text is the target's own up to rounding (it drifts from the float32 text after some
+    tokens). The trajectories are only the contexts: the soft labels come from the target's teacher-forced
+    forward. The engine runs alone, so on CPU it binds every core (vLLM's default is one), and it decodes
+    ``chunk`` requests at once with the KV cache to hold them (vLLM's CPU default caps a batch at 256 sequences);
+    the measurements behind both are in docs/LOG.md."""
     target = Path(target)
     key = cache_key(target, prompts, max_new_tokens, stop_token_ids, dtype)
     folder = Path(cache_dir) / "sft_trajectories" / key
@@ -140,7 +140,7 @@ def generate_trajectories(
             max_model_len=max_model_len,
             kvcache_gb=max(kvcache_gb, kv_cache_gb_for(target, prompts, chunk, max_new_tokens, dtype)),
             dtype=dtype,
-            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (1.66x vLLM's one-core default)
+            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core
         )
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
         try:

@@ -10,9 +10,8 @@ For every trajectory (prompt + response, T tokens) this computes
 :class:`FeatureCache` computes them once for a whole trajectory set and stores them flat (sequences concatenated,
 ``offsets`` marks the boundaries) in one safetensors file in bf16/fp16, keyed by (trajectories, aux layers, draft
 vocabulary, k); loading is a memory map. :class:`OnTheFlyFeatures` computes the same tensors per batch instead
-(for data sets too large to cache). On this 2-core CPU the target forward runs ~2k tok/s while a 4-step TTT
-update runs a few hundred tok/s, so caching costs less than one epoch of recomputation and wins from the
-second epoch on (docs/LOG.md has the measurements).
+(for data sets too large to cache). A target forward is several times faster per token than a TTT update, so
+caching costs less than one epoch of recomputation and wins from the second epoch on (docs/LOG.md).
 """
 
 from __future__ import annotations

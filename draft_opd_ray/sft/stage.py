@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import release_process_group
 
 
@@ -28,6 +29,7 @@ def _sft_key(cfg: Config) -> dict[str, Any]:
             d.pop(k)
     if not d["dataset_answers"]:
         d.pop("dataset_answers")
+    d["trajectory_dtype"] = resolve_dtype(d["trajectory_dtype"])
     if d["trajectory_dtype"] == "float32":
         d.pop("trajectory_dtype")
     return d
@@ -108,7 +110,7 @@ def run_sft_stage(
         max_new_tokens=cfg.sft.max_new_tokens,
         max_model_len=cfg.target.max_model_len,
         kvcache_gb=cfg.rollout.kvcache_gb,
-        dtype=cfg.sft.trajectory_dtype,
+        dtype=resolve_dtype(cfg.sft.trajectory_dtype),
     )
     if extra:
         rows = answer_trajectories(

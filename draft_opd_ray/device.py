@@ -1,0 +1,28 @@
+"""What the local hardware does fast, for defaults that depend on it."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def fast_bfloat16() -> bool:
+    """Whether bfloat16 matmuls run natively here: a CUDA GPU, or a CPU with AVX512-BF16 or AMX. On a CPU
+    without them (AVX2 only) vLLM's bfloat16 decoding is several times slower than float32 (docs/LOG.md)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` = bfloat16 where it is fast (:func:`fast_bfloat16`), float32 elsewhere; other names as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if fast_bfloat16() else "float32"
