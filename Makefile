@@ -21,12 +21,14 @@ format: setup
 typecheck: setup
 	$(PY) -m mypy
 
-# Default suite: unit + integration (real vLLM CPU engine, Ray, DeepSpeed). Slow end-to-end runs excluded.
+# Default suite: tests/unit + tests/integration (real vLLM CPU engine, Ray, DeepSpeed); slow end-to-end runs
+# (tests/e2e) excluded.
 test: lint typecheck
 	bash scripts/pytest.sh -m "not slow"
 
+# tests/unit: no vLLM engine, Ray cluster or DeepSpeed engine (tests/unit/conftest.py fails a test that starts one).
 test-fast: setup
-	bash scripts/pytest.sh -m "not slow and not vllm and not ray and not deepspeed"
+	bash scripts/pytest.sh tests/unit
 
 test-slow: setup
 	bash scripts/pytest.sh -m slow

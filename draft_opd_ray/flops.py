@@ -2,7 +2,7 @@
 
 Counts are matrix-multiply FLOPs as executed (2 per multiply-add; padding and masked attention entries
 included, because the kernels compute them), which is what ``torch.utils.flop_counter.FlopCounterMode`` counts
-(tests/test_flops.py checks the formulas against it). Elementwise work (norms, softmax, rotary) is ignored.
+(tests/unit/test_flops.py checks the formulas against it). Elementwise work (norms, softmax, rotary) is ignored.
 
 * A linear layer with P weights over T tokens: forward 2PT; backward 2PT for the input gradient (skipped when
   its input needs no gradient) + 2PT for the weight gradient (skipped when frozen). So a trained layer in the

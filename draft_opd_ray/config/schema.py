@@ -270,7 +270,7 @@ class LearnerConfig:
 
     zero_stage: int = 0
     mini_batches: int = 8  # optimizer updates per Draft-OPD step (the step's sequences split in groups)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bfloat16 where the hardware has it (GPU, AVX512-BF16), float32 elsewhere
     backend: str = "auto"  # torch.distributed backend; auto: nccl where CUDA is available, gloo otherwise
 
     def __post_init__(self) -> None:
@@ -280,7 +280,7 @@ class LearnerConfig:
             f"must be 0, 1, 2 or 3, got {self.zero_stage}",
         )
         _check(self.mini_batches >= 1, "learner.mini_batches", f"must be >= 1, got {self.mini_batches}")
-        _one_of(self.dtype, "learner.dtype", ("float32", "bfloat16", "float16"))
+        _one_of(self.dtype, "learner.dtype", ("auto", "float32", "bfloat16", "float16"))
         _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
 
 
@@ -305,7 +305,9 @@ class SFTConfig:
     # ~10 min of answers (cold, cached after) + 33 min of features (~9) and training.
     num_prompts: int = 1536  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
-    trajectory_dtype: str = "auto"  # auto (bfloat16 where the hardware has it, else float32) | float32 | bfloat16
+    trajectory_dtype: str = (
+        "auto"  # auto (bfloat16 where the hardware has it, else float32) | float32 | bfloat16
+    )
     # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
     # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
     dataset_answers: int = 0

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from draft_opd_ray.device import fast_bfloat16
+
 log = logging.getLogger(__name__)
 
 
@@ -44,10 +46,15 @@ class SeqFeatures:
     top1: torch.Tensor  # (T,) int64 target ids
 
 
-def load_hf_target(target: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> Any:
+def forward_dtype() -> torch.dtype:
+    """Precision of the teacher-forced target forward: bfloat16 where it is fast, float32 elsewhere."""
+    return torch.bfloat16 if fast_bfloat16() else torch.float32
+
+
+def load_hf_target(target: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype or forward_dtype())
     model.eval()
     model.requires_grad_(False)
     return model
@@ -154,6 +161,8 @@ class FeatureCache:
     ) -> str:
         h = hashlib.sha256(traj_path.read_bytes())
         h.update(f"{list(aux_layer_ids)}:{topk}:{dtype}".encode())
+        if str(forward_dtype()).removeprefix("torch.") != dtype:  # the forward's precision, where it differs
+            h.update(f":forward={forward_dtype()}".encode())
         h.update(draft_ids.numpy().tobytes())
         return h.hexdigest()[:20]
 

@@ -44,7 +44,7 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
                 _sft_key(cfg),
                 dataclasses.asdict(cfg.draft),
                 dataclasses.asdict(cfg.optim),
-                cfg.learner.dtype,
+                resolve_dtype(cfg.learner.dtype),
                 cfg.seed,
             ],
             sort_keys=True,

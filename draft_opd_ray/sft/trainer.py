@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
+from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import init_process_group
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.models.target import read_target_info
@@ -186,7 +187,7 @@ def _engine(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
-        "bf16": {"enabled": learner.dtype == "bfloat16"},
+        "bf16": {"enabled": resolve_dtype(learner.dtype) == "bfloat16"},
         "fp16": {"enabled": learner.dtype == "float16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
@@ -245,7 +246,7 @@ def run_sft(
         plens,
         mode=feature_mode,
         topk=topk,
-        dtype_name=learner.dtype,
+        dtype_name=resolve_dtype(learner.dtype),
         cache_dir=cache_dir,
     )
     feature_s = time.monotonic() - t0
@@ -316,7 +317,7 @@ def _train(
 ) -> Path:
     """The steps from ``state`` on until a budget ends; checkpoints at ``sft.curve_minutes`` and at the end."""
     budget_s = sft.time_budget_min * 60
-    dtype = _DTYPES[learner.dtype]
+    dtype = _DTYPES[resolve_dtype(learner.dtype)]
     start_used, wall0 = state.budget_s_used, time.monotonic()
     pending = sorted(m * 60 for m in sft.curve_minutes if m * 60 > state.budget_s_used)
     lengths = [source.length(i) for i in range(len(source))]

@@ -8,20 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from draft_opd_ray.flops import eagle3_train_flops, target_forward_flops
+from draft_opd_ray.flops import eagle3_train_flops, model_config_info, target_forward_flops
 from draft_opd_ray.models.eagle3 import Eagle3Config, Eagle3Draft
-from draft_opd_ray.models.target import ensure_embedded_target, read_target_info
-from draft_opd_ray.models.tiny import build_tiny_target
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One torch thread: on a shared 2-core box OpenMP hand-offs cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+from draft_opd_ray.models.target import read_target_info
 
 CFG = Eagle3Config(
     hidden_size=64,
@@ -54,16 +43,19 @@ def test_eagle3_train_flops_match_flop_counter(ttt_steps: int, lm_head_trainable
     assert bwd.get_total_flops() == want.backward
 
 
-def test_target_forward_flops_match_flop_counter(tmp_path: Path) -> None:
+def test_target_forward_flops_match_flop_counter(tiny_target: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    tiny = build_tiny_target(tmp_path / "tiny", tokenizer_from=ensure_embedded_target(), head_dim=32)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_target), dtype=torch.float32, attn_implementation="sdpa"
+    )
     ids = torch.randint(3, 1000, (2, 12))
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         model(input_ids=ids)
-    want = target_forward_flops(read_target_info(tiny), 2, 12)
+    want = target_forward_flops(read_target_info(tiny_target), 2, 12)
     assert fc.get_total_flops() == pytest.approx(want, rel=0.01)
+    # the same shapes read off the loaded model (how the standalone student and recipe count)
+    assert target_forward_flops(model_config_info(model), 2, 12) == want
 
 
 def test_six_p_t_rule_of_thumb() -> None:

@@ -1,7 +1,7 @@
-"""SFT recipes on a tiny random target: EAGLE-3 target init reproduces the target's layer, DeepSpeed training
-lowers the loss on a repeated batch, checkpoints are atomic and resume where they stopped, features match; the
-standalone (distillation) and DFlash (random-anchor block loss) recipes train through the same loop and export
-folders their loaders read back; the standalone loss equals a direct soft cross-entropy."""
+"""SFT recipes, losses and batches on a tiny random target: EAGLE-3 target init reproduces the target's layer, the
+TTT loss on response anchors equals full-row TTT, features and soft labels match, every kind's recipe builds,
+exports and counts its FLOPs; the standalone loss equals a direct soft cross-entropy; trajectories, schedules and
+cache keys. (Training through DeepSpeed: tests/integration/test_sft_deepspeed.py.)"""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
-from draft_opd_ray.models.eagle3 import init_eagle3, load_eagle3
-from draft_opd_ray.models.target import ensure_embedded_target
-from draft_opd_ray.models.tiny import build_tiny_target
+from draft_opd_ray.config.schema import DraftConfig
+from draft_opd_ray.models.eagle3 import init_eagle3
+from draft_opd_ray.models.kinds import draft_kind
 from draft_opd_ray.sft.data import (
     Trajectory,
     _write,
@@ -22,63 +21,15 @@ from draft_opd_ray.sft.data import (
     mix_trajectories,
     read_trajectories,
 )
-from draft_opd_ray.sft.features import load_hf_target, target_features
-from draft_opd_ray.sft.trainer import (
-    collate,
+from draft_opd_ray.sft.features import SeqFeatures, load_hf_target, target_features
+from draft_opd_ray.sft.recipes import (
+    build_recipe,
+    draft_vocab_counts,
     init_from_target,
-    lr_factor,
-    run_sft,
     ttt_anchors,
     ttt_topk_loss,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One torch thread: on a shared 2-core box OpenMP hand-offs cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("t") / "tiny", tokenizer_from=ensure_embedded_target())
-
-
-@pytest.fixture(scope="module")
-def trajectories(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = [
-        Trajectory(
-            torch.randint(3, 300, (8,), generator=g).tolist(),
-            torch.randint(3, 300, (24,), generator=g).tolist(),
-        )
-        for _ in range(2)
-    ]
-    path = tmp_path_factory.mktemp("d") / "traj.parquet"
-    _write(path, rows)
-    return path
-
-
-def _run(tiny: Path, traj: Path, run_dir: Path, steps: int, resume: bool = False) -> tuple[Path, list[dict]]:
-    rec: list[dict] = []
-    out = run_sft(
-        tiny,
-        traj,
-        run_dir,
-        sft=SFTConfig(epochs=50, batch_tokens=4096, lr=3e-3, time_budget_min=5),
-        draft=DraftConfig(draft_vocab_size=256, ttt_steps=3),
-        optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
-        learner=LearnerConfig(zero_stage=0, dtype="float32"),
-        cache_dir=run_dir.parent / "cache",
-        max_steps=steps,
-        resume=resume,
-        metrics=rec.append,
-        progress=False,
-    )
-    return out, rec
+from draft_opd_ray.sft.trainer import collate, lr_factor
 
 
 def test_trajectory_parquet_round_trip(trajectories: Path) -> None:
@@ -86,11 +37,11 @@ def test_trajectory_parquet_round_trip(trajectories: Path) -> None:
     assert len(rows) == 2 and len(rows[0].prompt_ids) == 8 and len(rows[0].response_ids) == 24
 
 
-def test_target_init_reproduces_the_target_layer(tiny: Path) -> None:
+def test_target_init_reproduces_the_target_layer(tiny_target: Path) -> None:
     """Step 0 of a target-initialised head = the target's hidden state after the high aux layer."""
-    hf = load_hf_target(tiny, torch.float32)
-    model = init_eagle3(tiny)
-    init_from_target(model, tiny)
+    hf = load_hf_target(tiny_target, torch.float32)
+    model = init_eagle3(tiny_target)
+    init_from_target(model, tiny_target)
     ids = torch.randint(3, 300, (1, 12))
     hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i] for i in model.config.aux_layer_ids], -1)
@@ -100,8 +51,8 @@ def test_target_init_reproduces_the_target_layer(tiny: Path) -> None:
     torch.testing.assert_close(h, want, atol=5e-3, rtol=5e-3)
 
 
-def test_features_topk_renormalised(tiny: Path) -> None:
-    hf = load_hf_target(tiny, torch.float32)
+def test_features_topk_renormalised(tiny_target: Path) -> None:
+    hf = load_hf_target(tiny_target, torch.float32)
     draft_ids = torch.arange(0, 512, 2)
     (f, idx, p, top1), _ = target_features(hf, [[5, 6, 7, 8], [9, 10]], (1, 2), draft_ids, topk=4)
     assert f.shape == (4, 2 * hf.config.hidden_size) and idx.shape == p.shape == (4, 4) and top1.shape == (4,)
@@ -109,22 +60,22 @@ def test_features_topk_renormalised(tiny: Path) -> None:
     assert int(idx.max()) < draft_ids.numel()
 
 
-def test_kv_cache_for_a_chunk_holds_its_longest_requests(tiny: Path) -> None:
+def test_kv_cache_for_a_chunk_holds_its_longest_requests(tiny_target: Path) -> None:
     """Brute force: bytes of K and V over every layer and kv head for the chunk's longest prompt + answer."""
     from draft_opd_ray.sft.data import kv_cache_gb_for
 
-    c = json.loads((tiny / "config.json").read_text())
+    c = json.loads((tiny_target / "config.json").read_text())
     per_tok = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"]
     prompts = [[1] * n for n in (5, 50, 20, 7)]
     want = 1.1 * per_tok * 2 * ((50 + 10) + (20 + 10)) / 1e9  # bf16, the 2 longest
-    assert kv_cache_gb_for(tiny, prompts, 2, 10, "bfloat16") == pytest.approx(want)
-    assert kv_cache_gb_for(tiny, prompts, 2, 10, "float32") == pytest.approx(2 * want)
-    assert kv_cache_gb_for(tiny, [[1] * 10**9], 1, 1, "float32") == 8.0  # capped
+    assert kv_cache_gb_for(tiny_target, prompts, 2, 10, "bfloat16") == pytest.approx(want)
+    assert kv_cache_gb_for(tiny_target, prompts, 2, 10, "float32") == pytest.approx(2 * want)
+    assert kv_cache_gb_for(tiny_target, [range(10**9)], 1, 1, "float32") == 8.0  # capped (a 1e9-token prompt)
 
 
-def test_features_head_only_on_scored_rows(tiny: Path) -> None:
+def test_features_head_only_on_scored_rows(tiny_target: Path) -> None:
     """With prompt lengths, the soft labels of rows >= prompt_len - 1 equal the full forward's; others are zero."""
-    hf = load_hf_target(tiny, torch.float32)
+    hf = load_hf_target(tiny_target, torch.float32)
     draft_ids = torch.arange(0, 512, 2)
     seqs, plens = [[5, 6, 7, 8, 9, 11], [9, 10, 12]], [3, 1]
     full = target_features(hf, seqs, (1, 2), draft_ids, topk=4)
@@ -151,25 +102,32 @@ def _full_row_ttt_loss(model, b: dict, steps: int, decay: float) -> torch.Tensor
     return total
 
 
-def test_ttt_loss_on_response_anchors_equals_full_row_ttt(tiny: Path) -> None:
-    """The SFT loss unrolls only from rows that are scored; value and gradients equal full-sequence TTT."""
-    from draft_opd_ray.sft.features import SeqFeatures
+def seq_features(
+    ids: torch.Tensor,
+    prompt_len: int,
+    width: int,
+    vd: int,
+    g: torch.Generator,
+    top1: torch.Tensor | None = None,
+) -> SeqFeatures:
+    """One cached trajectory with random features (width A*H) and random top-4 soft labels over ``vd`` ids."""
+    n = len(ids)
+    feats = torch.randn(n, width, generator=g)
+    topk_ids = torch.randint(0, vd, (n, 4), generator=g)
+    topk_p = torch.softmax(torch.randn(n, 4, generator=g), -1)
+    top1 = torch.randint(3, 300, (n,), generator=g) if top1 is None else top1
+    return SeqFeatures(ids, prompt_len, feats, topk_ids, topk_p, top1)
 
+
+def test_ttt_loss_on_response_anchors_equals_full_row_ttt(tiny_target: Path) -> None:
+    """The SFT loss unrolls only from rows that are scored; value and gradients equal full-sequence TTT."""
     g = torch.Generator().manual_seed(3)
-    model = init_eagle3(tiny, draft_vocab_size=128, token_counts=torch.arange(49152, 0, -1))
+    model = init_eagle3(tiny_target, draft_vocab_size=128, token_counts=torch.arange(49152, 0, -1))
     A_H = len(model.config.aux_layer_ids) * model.config.hidden_size
-    items = []
-    for n, p in ((20, 7), (13, 2), (17, 16)):  # lengths, prompt lengths (one response of a single token)
-        items.append(
-            SeqFeatures(
-                torch.randint(3, 300, (n,), generator=g),
-                p,
-                torch.randn(n, A_H, generator=g),
-                torch.randint(0, 128, (n, 4), generator=g),
-                torch.softmax(torch.randn(n, 4, generator=g), -1),
-                torch.randint(3, 300, (n,), generator=g),
-            )
-        )
+    items = [  # lengths, prompt lengths (one response of a single token)
+        seq_features(torch.randint(3, 300, (n,), generator=g), p, A_H, 128, g)
+        for n, p in ((20, 7), (13, 2), (17, 16))
+    ]
     b = collate(items, torch.float32)
     anchor, valid = ttt_anchors(b["loss_mask"], 3)
     # sequence 0: loss rows 6..19 -> anchors 4..19 (two prompt rows score later steps); padding after
@@ -191,35 +149,67 @@ def test_ttt_loss_on_response_anchors_equals_full_row_ttt(tiny: Path) -> None:
         assert set(metrics) == {f"{k}_{i}" for k in ("loss", "acc") for i in range(steps)}
 
 
-def test_eagle3_recipe_counts_the_flops_it_runs(tiny: Path) -> None:
+def test_eagle3_recipe_counts_the_flops_it_runs(tiny_target: Path) -> None:
     """The EAGLE-3 recipe's FLOPs per step = what the TTT loss's matmuls do (torch's FLOP counter)."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from draft_opd_ray.sft.features import SeqFeatures
-    from draft_opd_ray.sft.recipes import build_recipe
 
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 22)]
     recipe = build_recipe(
-        tiny, DraftConfig(draft_vocab_size=256, ttt_steps=3), seqs=seqs, prompt_lens=[12, 5]
+        tiny_target, DraftConfig(draft_vocab_size=256, ttt_steps=3), seqs=seqs, prompt_lens=[12, 5]
     )
     A_H = len(recipe.feature_ids) * recipe.model.config.hidden_size
     items = [
-        SeqFeatures(
-            torch.tensor(s),
-            p,
-            torch.randn(len(s), A_H, generator=g),
-            torch.randint(0, 256, (len(s), 4), generator=g),
-            torch.softmax(torch.randn(len(s), 4, generator=g), -1),
-            torch.tensor(s),
-        )
-        for s, p in zip(seqs, (12, 5))
+        seq_features(torch.tensor(s), p, A_H, 256, g, top1=torch.tensor(s)) for s, p in zip(seqs, (12, 5))
     ]
     b = collate(items, torch.float32)
     with FlopCounterMode(display=False) as counter:
         loss, _ = recipe.loss(recipe.model, b)
         loss.backward()
     assert recipe.flops(b) == pytest.approx(counter.get_total_flops(), rel=0.05)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "standalone", "dflash"])
+def test_every_kind_builds_its_recipe_and_exports_what_its_loader_reads(
+    tiny_target: Path, tmp_path: Path, kind: str
+) -> None:
+    """build_recipe dispatches on draft.kind (the kinds table): the draft, the features it conditions on (HF
+    hidden_states indices), the label vocabulary, a finite loss with gradients and positive FLOPs on a collated
+    batch, and a saved folder that the kind's loader reads back with identical weights; ``start_from`` that
+    folder continues from those weights."""
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (18, 11)]
+    draft = DraftConfig(
+        kind=kind, draft_vocab_size=256, ttt_steps=2, num_layers=2, block_size=5, num_speculative_tokens=4
+    )
+    recipe = build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=[6, 4])
+    assert recipe.kind == kind
+    if kind == "standalone":
+        assert recipe.feature_ids == () and recipe.model.config.num_hidden_layers == 2
+    else:
+        assert recipe.feature_ids == tuple(recipe.model.hidden_state_indices)
+    vd = 256 if kind == "eagle3" else 49152
+    assert recipe.label_ids.shape == (vd,)
+    width = len(recipe.feature_ids) * 64
+    b = collate([seq_features(torch.tensor(s), p, width, vd, g) for s, p in zip(seqs, (6, 4))], torch.float32)
+    loss, _ = recipe.loss(recipe.model, b)
+    loss.backward()
+    assert torch.isfinite(loss) and recipe.flops(b) > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in recipe.model.parameters())
+    out = recipe.save(recipe.model, tmp_path / "d", tiny_target)
+    trained = {n: p for n, p in recipe.model.named_parameters() if p.requires_grad}
+    for model in (
+        draft_kind(kind).load(out, tiny_target),
+        build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=[6, 4], start_from=out).model,
+    ):
+        sd = model.state_dict()
+        assert trained and all(torch.equal(sd[n], p) for n, p in trained.items())
+
+
+def test_draft_vocabulary_counts_response_tokens_only() -> None:
+    seqs, plens = [[1, 2, 3, 3, 5], [2, 2, 7]], [2, 1]
+    counts = draft_vocab_counts(seqs, plens, 9)
+    assert counts.tolist() == [0, 0, 1, 2, 0, 1, 0, 1, 0]  # 3, 3, 5 and 2, 7
 
 
 def test_schedule_spans_the_training_part_of_the_budget() -> None:
@@ -237,28 +227,6 @@ def test_lr_schedule() -> None:
     assert lr_factor(1.0, 0.1, "cosine") == pytest.approx(0.1) and lr_factor(0.5, 0.0, "constant") == 1.0
 
 
-def test_deepspeed_sft_lowers_loss_and_resumes(tiny: Path, trajectories: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    out, rec = _run(tiny, trajectories, run_dir, steps=3)
-    losses = [r["loss"] for r in rec if "loss" in r]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert {"acc_0", "acc_2", "tokens_per_s", "flops_draft", "flops_target"} <= set(rec[0])
-    root = run_dir / "checkpoints" / "sft"
-    assert (root / "latest").read_text().strip() == "step_3" and out == root / "step_3" / "draft"
-    assert not list(root.glob(".tmp-*"))
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 256
-    saved = load_eagle3(out, tiny)
-    # resume: continues from step 3 with the saved weights and optimizer state
-    out2, rec2 = _run(tiny, trajectories, run_dir, steps=5, resume=True)
-    steps = [r["step"] for r in rec2 if "loss" in r]
-    assert steps == [4, 5] and (root / "latest").read_text().strip() == "step_5"
-    assert rec2[0]["loss"] < losses[0]  # not a fresh start
-    assert rec2[0]["flops_draft"] > rec[-2]["flops_draft"]  # FLOPs carried over
-    resumed = load_eagle3(out2, tiny)
-    assert not torch.equal(saved.fc.weight, resumed.fc.weight)
-
-
 def test_stage_logs_trainer_rows_through_the_run_logger(tmp_path: Path) -> None:
     """The trainer's rows carry stage/step/time of their own; the run's MetricsLogger must not clash."""
     from draft_opd_ray.metrics import MetricsLogger, read_metrics
@@ -271,46 +239,14 @@ def test_stage_logs_trainer_rows_through_the_run_logger(tmp_path: Path) -> None:
     assert row["stage"] == "sft" and row["step"] == 3 and row["loss"] == 2.5 and row["acc_0"] == 0.5
 
 
-@pytest.mark.parametrize("kind", ["standalone", "dflash"])
-def test_other_kinds_train_through_the_same_loop(
-    tiny: Path, trajectories: Path, tmp_path: Path, kind: str
-) -> None:
-    from draft_opd_ray.models.dflash import load_dflash
-    from draft_opd_ray.models.standalone import load_standalone
-
-    run_dir = tmp_path / kind
-    rec: list[dict] = []
-    out = run_sft(
-        tiny,
-        trajectories,
-        run_dir,
-        sft=SFTConfig(epochs=50, batch_tokens=4096, lr=3e-3, time_budget_min=5),
-        draft=DraftConfig(kind=kind, num_layers=2, block_size=5, num_speculative_tokens=4),
-        optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
-        learner=LearnerConfig(zero_stage=0, dtype="float32"),
-        cache_dir=run_dir / "cache",
-        max_steps=4,
-        metrics=rec.append,
-        progress=False,
-    )
-    losses = [r["loss"] for r in rec if "loss" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses
-    assert all(r["flops_draft"] > 0 for r in rec if "loss" in r)
-    if kind == "standalone":
-        lm = load_standalone(out, tiny)
-        assert lm.config.num_hidden_layers == 2
-    else:
-        assert load_dflash(out, tiny).config.block_size == 5
-
-
-def test_standalone_kd_loss_is_soft_cross_entropy(tiny: Path) -> None:
+def test_standalone_kd_loss_is_soft_cross_entropy(tiny_target: Path) -> None:
     import tempfile
 
     from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
     from draft_opd_ray.sft.recipes import standalone_kd_loss
 
     with tempfile.TemporaryDirectory() as d:
-        lm = load_standalone(build_standalone_from_target(tiny, d, layer_ids=(0, 3)), tiny)
+        lm = load_standalone(build_standalone_from_target(tiny_target, d, layer_ids=(0, 3)), tiny_target)
     g = torch.Generator().manual_seed(0)
     B, T, k, V = 2, 7, 4, lm.config.vocab_size
     batch = {
@@ -333,10 +269,10 @@ def test_standalone_kd_loss_is_soft_cross_entropy(tiny: Path) -> None:
     assert torch.allclose(loss, want, atol=1e-5)
 
 
-def test_dataset_answers_become_trajectories_and_mix(tmp_path: Path) -> None:
+def test_dataset_answers_become_trajectories_and_mix(embedded_target: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ensure_embedded_target())
+    tok = AutoTokenizer.from_pretrained(embedded_target)
     rows = answer_trajectories(
         [[5, 6], [7], [8]], ["Hello there, friend.", "x " * 50, ""], tok, max_new_tokens=20, eos_token_id=2
     )
@@ -365,12 +301,12 @@ def test_standalone_layers_drop_the_middle_of_the_stack() -> None:
         standalone_layer_ids(30, 30)
 
 
-def test_trajectory_cache_key_names_the_generation_precision(tmp_path: Path) -> None:
+def test_trajectory_cache_key_names_the_generation_precision(embedded_target: Path) -> None:
     import hashlib
 
     from draft_opd_ray.sft.data import _target_fingerprint, cache_key
 
-    target = ensure_embedded_target()
+    target = embedded_target
     prompts = [[1, 2, 3], [4]]
     f32 = cache_key(target, prompts, 256, (2,))
     # float32 keys are the ones written before the setting existed: old caches stay valid

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from draft_opd_ray.algo.anchors import select_anchors
-from tests.test_records import synth
+from tests.helpers import synth
 
 
 @pytest.fixture

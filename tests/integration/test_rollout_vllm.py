@@ -14,6 +14,7 @@ import torch
 
 from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
 from draft_opd_ray.rollout.records import consistency_error, tau, tau_vllm
+from tests.helpers import chat_prompt_ids, perturbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -30,25 +31,12 @@ SAMPLING = Sampling(max_new_tokens=48, stop_token_ids=(2,))
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import AutoTokenizer
-
+def models(tmp_path_factory, embedded_target):
     from draft_opd_ray.models.standalone import build_standalone_from_target
-    from draft_opd_ray.models.target import ensure_embedded_target
 
-    target = ensure_embedded_target()
+    target = embedded_target
     draft = build_standalone_from_target(target, tmp_path_factory.mktemp("draft"), layer_ids=list(range(29)))
-    tok = AutoTokenizer.from_pretrained(target)
-    prompts = [
-        tok(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for q in QUESTIONS
-    ]
-    return target, draft, prompts
+    return target, draft, chat_prompt_ids(target, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +129,7 @@ def test_weight_update_changes_tau_and_returns(models, worker, transport: str) -
 
     _, draft, prompts = models
     original = load_file(str(draft / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    noisy = {
-        k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g)
-        if v.is_floating_point() and v.dim() == 2
-        else v
-        for k, v in original.items()
-    }
+    noisy = perturbed(original, 0.3, seed=0)
     sync = SharedFileWeightSync([worker]) if transport == "shm_file" else ObjectStoreWeightSync([worker])
     before = ray.get(worker.generate.remote(prompts, SAMPLING))
     sync.publish(1, noisy)

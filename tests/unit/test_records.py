@@ -13,23 +13,7 @@ from draft_opd_ray.rollout.records import (
     tau,
     write_parquet,
 )
-
-
-def synth(rng: random.Random, k: int = 4, steps: int = 6, prompt_len: int = 5) -> RequestRecord:
-    """A consistent record built step by step, the way an engine commits tokens."""
-    prompt = [rng.randrange(100) for _ in range(prompt_len)]
-    resp = [rng.randrange(100)]
-    rec = RequestRecord(prompt_ids=prompt, response_ids=resp, finish_reason="length")
-    for v in range(steps):
-        drafted = [rng.randrange(100) for _ in range(k)]
-        a = rng.randint(0, k)
-        rec.anchor_pos.append(len(prompt) + len(resp) - 1)
-        rec.drafted.append(drafted)
-        rec.accepted.append(a)
-        rec.policy_version.append(v // 2)
-        rec.teacher_logprob_drafted.append([-rng.random() for _ in drafted])
-        resp.extend(drafted[:a] + [rng.randrange(100, 200)])
-    return rec
+from tests.helpers import synth
 
 
 def test_tau_matches_brute_force() -> None:

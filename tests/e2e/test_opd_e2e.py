@@ -4,26 +4,21 @@ Slow (two runs, several vLLM engines): `make test-slow`."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from draft_opd_ray.metrics import read_metrics
 from draft_opd_ray.rollout.records import consistency_error, read_parquet
+from tests import helpers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_main(run_dir: Path, target: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    args = [
-        sys.executable,
-        "-m",
-        "draft_opd_ray.main",
+    """The opd stage alone on the tiny target (its chat template is the embedded target's), from the repo root."""
+    return helpers.run_main(
         "stages=[opd]",
         f"target.path={target}",
         "rollout.prompts_per_round=4",
@@ -34,17 +29,12 @@ def run_main(run_dir: Path, target: Path, *overrides: str) -> subprocess.Complet
         "opd.checkpoint_every=1",
         f"hydra.run.dir={run_dir}",
         *overrides,
-    ]
-    return subprocess.run(args, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=1500)
+        timeout=1500,
+    )
 
 
-def test_opd_loop_runs_and_resumes(tmp_path: Path) -> None:
-    from draft_opd_ray.models.target import ensure_embedded_target
-    from draft_opd_ray.models.tiny import build_tiny_target
-
-    src = ensure_embedded_target()
-    target = build_tiny_target(tmp_path / "target", tokenizer_from=src, head_dim=32)
-    shutil.copy(src / "chat_template.jinja", target / "chat_template.jinja")
+def test_opd_loop_runs_and_resumes(tiny_target: Path, tmp_path: Path) -> None:
+    target = tiny_target
     run_dir = tmp_path / "run"
     r = run_main(run_dir, target, "opd.steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,19 +55,15 @@ def test_opd_loop_runs_and_resumes(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "opd" / "latest").read_text().strip() == "step_3"
 
 
-def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tmp_path: Path) -> None:
+def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tiny_target: Path, tmp_path: Path) -> None:
     """The same loop with a standalone LM draft served by vLLM's `draft_model`, every block start as an anchor
     and replay.mode=redraft (the replay actor receives every published version and redrafts with it), two
     optimizer updates per step: the exported draft loads back as a causal LM on the target's vocabulary.
     (Random anchors are budget-matched to the error anchors, and this tiny random target's greedy output is
     often accepted whole by a slice of itself, so they can be none.)"""
     from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
-    from draft_opd_ray.models.target import ensure_embedded_target
-    from draft_opd_ray.models.tiny import build_tiny_target
 
-    src = ensure_embedded_target()
-    target = build_tiny_target(tmp_path / "target", tokenizer_from=src, head_dim=32)
-    shutil.copy(src / "chat_template.jinja", target / "chat_template.jinja")
+    target = tiny_target
     draft = build_standalone_from_target(target, tmp_path / "draft", num_layers=1)
     run_dir = tmp_path / "run"
     r = run_main(

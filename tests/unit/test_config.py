@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import compose
 from draft_opd_ray.config.validate import validate
 from draft_opd_ray.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
+from draft_opd_ray.models.kinds import check_draft_fits_target
+from tests import helpers
 
 
 def run_main(*overrides: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
-    return subprocess.run(
-        [sys.executable, "-m", "draft_opd_ray.main", *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return helpers.run_main(*overrides, HYDRA_FULL_ERROR="0")
 
 
 def test_defaults_compose_to_the_paper_defaults() -> None:
@@ -39,6 +31,16 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     assert cfg.draft.kind == "eagle3" and cfg.draft.num_speculative_tokens == 4
     assert cfg.stages == ["sft", "opd", "eval"]
     assert cfg.cluster.name == "local" and cfg.cluster.gpus_per_node == 0
+    assert cfg.draft.aux_layer_ids is None  # derived from the target: (2, L/2, L-1)
+    assert cfg.draft.draft_vocab_size == 8192 and cfg.draft.ttt_steps == 4
+    assert cfg.data.train.max_prompts == 2560 and cfg.sft.num_prompts == 1536
+    assert cfg.sft.trajectory_dtype == "auto" and cfg.sft.batch_tokens == 512  # auto: bfloat16 where fast
+    assert cfg.sft.time_budget_min == 33
+
+
+def test_defaults_are_written_once() -> None:
+    """The dataclass defaults are the composed default config: the YAML adds nothing of its own."""
+    assert dataclasses.asdict(Config()) == dataclasses.asdict(compose([]))
 
 
 def test_async_is_spelled_async_on_the_command_line() -> None:
@@ -90,7 +92,7 @@ BAD = [
     (["draft=dflash", "stages=[opd]"], 2, "draft.path: the opd stage post-trains an existing dflash draft"),
     (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),
     (["rollout.temperature=-1"], 2, "rollout.temperature: must be >= 0"),
-    (["sft.trajectory_dtype=float16"], 2, "sft.trajectory_dtype: must be float32 or bfloat16"),
+    (["sft.trajectory_dtype=float16"], 2, "sft.trajectory_dtype: must be auto, float32 or bfloat16"),
     (["+cluster=8xA100", "cluster.rollout_engines=9"], 2, "the actors need 13 GPUs"),
     (
         ["+cluster=2x8xH100", "cluster.rollout_tensor_parallel=16"],
@@ -150,7 +152,10 @@ def test_validate_raises_config_error_in_process() -> None:
 )
 def test_draft_that_does_not_fit_the_target_is_rejected(overrides: list[str], fragment: str) -> None:
     """Checked against the target's config (SmolLM2: 30 layers, vocabulary 49,152) before any model loads."""
-    from draft_opd_ray.config.validate import check_draft_fits_target
-
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_draft_fits_target(compose(overrides), num_layers=30, vocab_size=49152)
+        check_draft_fits_target(compose(overrides).draft, num_layers=30, vocab_size=49152)
+
+
+def test_default_draft_fits_the_default_target() -> None:
+    for kind in ("eagle3", "standalone", "dflash"):
+        check_draft_fits_target(compose([f"draft={kind}"]).draft, num_layers=30, vocab_size=49152)

@@ -8,29 +8,11 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chi2
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from draft_opd_ray.rollout.records import consistency_error, tau
 from draft_opd_ray.rollout.reference import CausalLMDrafter, speculative_generate, target_generate
-
-
-def tiny_lm(vocab: int, seed: int, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper distributions than the default init, so drafts are sometimes right
-        m.lm_head.weight.mul_(20)
-    return m
-
+from tests.helpers import tiny_lm
 
 PROMPTS = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 3, 9], [6]]
 

@@ -1,13 +1,13 @@
-"""Target model folders: the embedded SmolLM2 target, folder checks, config-only metadata, tiny models.
+"""Target model folders: the embedded SmolLM2 target, folder checks, config-only metadata, reading a few tensors
+without loading the model, tiny models.
 
 The embedded target is converted once into the default cache (``$DRAFT_OPD_RAY_CACHE`` or
-``~/.cache/draft_opd_ray``, about 20 s the first time) and reused across runs. Tests marked ``vllm``
-start real vLLM CPU engines (about 25-50 s each to start on 2 cores).
+``~/.cache/draft_opd_ray``, about 20 s the first time) and reused across runs. (Both targets on vLLM:
+tests/integration/test_target_vllm.py.)
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -22,16 +22,20 @@ from draft_opd_ray.models import target as target_mod
 from draft_opd_ray.models.target import (
     EMBEDDED_TARGET,
     MARKER_FILE,
+    TOKENIZER_FILES,
     TargetInfo,
+    check_layer_ids,
+    copy_tokenizer_files,
     default_cache_dir,
     ensure_embedded_target,
     read_target_info,
+    read_target_tensors,
     resolve_target_path,
+    spread_layer_ids,
+    tensor_files,
 )
 from draft_opd_ray.models.tiny import build_tiny_standalone_draft, build_tiny_target
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import REPO
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
@@ -39,18 +43,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def embedded_target() -> Path:
-    """The converted embedded target in the default cache (converted on first use, then reused)."""
-    return ensure_embedded_target()
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory, embedded_target: Path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        "target": build_tiny_target(root / "target", tokenizer_from=embedded_target),
-        "draft": build_tiny_standalone_draft(root / "draft", tokenizer_from=embedded_target),
-    }
+def tiny_models(
+    tmp_path_factory: pytest.TempPathFactory, embedded_target: Path, tiny_target: Path
+) -> dict[str, Path]:
+    draft = build_tiny_standalone_draft(
+        tmp_path_factory.mktemp("tiny") / "draft", tokenizer_from=embedded_target
+    )
+    return {"target": tiny_target, "draft": draft}
 
 
 def _write_fake_model(
@@ -261,8 +260,8 @@ def test_read_target_info_imports_no_torch(embedded_target: Path) -> None:
         "assert info.hidden_size == 576\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT, timeout=60)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO, timeout=60)
 
 
 def test_read_target_info_errors_and_nested_config(tmp_path: Path) -> None:
@@ -363,81 +362,44 @@ def test_tiny_builder_rejects_folder_without_tokenizer(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# vLLM on CPU (slow integration)
+# Reading a target folder without loading the model
 # --------------------------------------------------------------------------------------------------
 
 
-def _start_llm(path: Path):
-    """A vLLM CPU engine for ``path``; VLLM_CPU_KVCACHE_SPACE must be set before it starts."""
-    pytest.importorskip("vllm")
-    from vllm import LLM
+def test_target_tensors_unsharded_and_sharded(tiny_target: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    return LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0)
-
-
-def _stop_llm(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-@pytest.fixture(scope="class")
-def vllm_env():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
+    w = read_target_tensors(tiny_target, ["model.embed_tokens.weight", "lm_head.weight"])
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])  # tied target
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(tiny_target)).save_pretrained(str(sharded), max_shard_size="2MB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert tensor_files(sharded).keys() == tensor_files(tiny_target).keys()
+    assert len(set(tensor_files(sharded).values())) > 1
+    got = read_target_tensors(sharded, ["model.layers.3.mlp.down_proj.weight", "model.norm.weight"])
+    assert got["model.norm.weight"].shape == (64,)
+    with pytest.raises(ModelError, match="no tensor 'model.layers.9.mlp.down_proj.weight'"):
+        read_target_tensors(sharded, ["model.layers.9.mlp.down_proj.weight"])
+    with pytest.raises(ModelError, match="has no safetensors weights"):
+        tensor_files(tmp_path)
 
 
-@pytest.mark.vllm
-class TestEmbeddedTargetOnVLLM:
-    """One engine for the class, shut down before the next class starts its own."""
-
-    PROMPTS = ("What is the capital of France?", "What is 2+2?", "Name three colors.")
-
-    @pytest.fixture(scope="class")
-    def answers(self, vllm_env, embedded_target: Path) -> dict[str, str]:
-        from vllm import SamplingParams
-
-        llm = _start_llm(embedded_target)
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=48)
-            outs = llm.chat([[{"role": "user", "content": p}] for p in self.PROMPTS], params, use_tqdm=False)
-            return {p: o.outputs[0].text for p, o in zip(self.PROMPTS, outs, strict=True)}
-        finally:
-            _stop_llm(llm)
-
-    def test_capital_of_france(self, answers: dict[str, str]) -> None:
-        assert "paris" in answers["What is the capital of France?"].lower()
-
-    def test_two_plus_two(self, answers: dict[str, str]) -> None:
-        assert "4" in answers["What is 2+2?"]
-
-    def test_three_colors(self, answers: dict[str, str]) -> None:
-        text = answers["Name three colors."].lower()
-        colors = ("red", "blue", "green", "yellow", "orange", "purple", "black", "white", "pink", "brown")
-        assert sum(c in text for c in colors) >= 2, text
-
-    def test_answers_are_readable_text(self, answers: dict[str, str]) -> None:
-        for prompt, text in answers.items():
-            assert text.strip(), prompt
-            ascii_share = sum(ch.isascii() for ch in text) / len(text)
-            words = [w for w in text.split() if any(ch.isalpha() for ch in w)]
-            assert ascii_share > 0.9 and len(words) >= 2, (prompt, text)
-            assert "<|im_" not in text, (prompt, text)
+def test_layer_id_helpers() -> None:
+    assert check_layer_ids([0, 2], 3, "x", "y") == (0, 2)
+    with pytest.raises(ModelError, match="at least one"):
+        check_layer_ids([], 3, "x", "y")
+    with pytest.raises(ModelError, match="strictly increasing"):
+        check_layer_ids([2, 1], 3, "x", "y")
+    with pytest.raises(ModelError, match=r"x: \[3\] out of range \[0, 3\) \(y\)"):
+        check_layer_ids([1, 3], 3, "x", "y")
+    assert spread_layer_ids(1, 3, 3) == (1, 2, 3) and spread_layer_ids(0, 29, 4) == (0, 10, 19, 29)
+    assert spread_layer_ids(1, 2, 3) == (1, 2) and spread_layer_ids(0, 8, 1) == (4,)
 
 
-@pytest.mark.vllm
-def test_tiny_target_generates_deterministically_on_vllm(vllm_env, tiny_models: dict[str, Path]) -> None:
-    from vllm import SamplingParams
-
-    llm = _start_llm(tiny_models["target"])
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        prompts = ["Hello, my name is", "The capital of France is"]
-        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        _stop_llm(llm)
-    assert all(len(ids) == 16 for ids in first)
-    assert all(0 <= i < 49152 for ids in first for i in ids)
-    assert [list(x) for x in first] == [list(x) for x in second]
+def test_copy_tokenizer_files(embedded_target: Path, tmp_path: Path) -> None:
+    copy_tokenizer_files(embedded_target, tmp_path)
+    want = {n for n in (*TOKENIZER_FILES, "generation_config.json") if (embedded_target / n).is_file()}
+    assert {p.name for p in tmp_path.iterdir()} == want and "tokenizer.json" in want
+    for name in want:
+        assert (tmp_path / name).read_bytes() == (embedded_target / name).read_bytes()

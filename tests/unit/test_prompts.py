@@ -166,34 +166,18 @@ def test_jsonl_messages_field_roles_and_system_prompt(tmp_path, tok):
     assert "answer" not in by_id["jsonl:1"].meta
 
 
+def turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
 def test_first_answer_is_the_reply_to_the_first_user_turn():
     fa = P._first_answer
-    assert (
-        fa([{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": "gpt", "value": "b"}])
-        == "a"
-    )
-    assert (
-        fa(
-            [
-                {"role": "system", "content": "s"},
-                {"role": "user", "content": "q"},
-                {"role": "x", "content": "a"},
-            ]
-        )
-        == "a"
-    )
-    assert (
-        fa(
-            [
-                {"role": "user", "content": "q"},
-                {"role": "user", "content": "q2"},
-                {"role": "a", "content": "a"},
-            ]
-        )
-        is None
-    )
-    assert fa([{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]) is None
-    assert fa([{"role": "user", "content": "q"}]) is None
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": "gpt", "value": "b"}]
+    assert fa(sharegpt) == "a"
+    assert fa(turns(("system", "s"), ("user", "q"), ("x", "a"))) == "a"
+    assert fa(turns(("user", "q"), ("user", "q2"), ("a", "a"))) is None
+    assert fa(turns(("user", "q"), ("assistant", "  "))) is None
+    assert fa(turns(("user", "q"))) is None
     assert fa("not a list") is None
 
 

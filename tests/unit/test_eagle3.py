@@ -1,10 +1,9 @@
 """EAGLE-3 head: TTT unrolling and replay forward against a sequential (vLLM-style KV-cache) simulation written
-with explicit loops, shifted TTT targets, the vocabulary map, checkpoint round trip and target checks, and (marked
-``vllm``) serving the exported head with vLLM's CPU speculative decoding."""
+with explicit loops, shifted TTT targets, the vocabulary map, the default aux layers, checkpoint round trip and
+target checks. (Serving the exported head in vLLM: tests/integration/test_serve_vllm.py.)"""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ from draft_opd_ray.models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     build_vocab_map,
+    default_aux_layer_ids,
     draft_to_target,
     eagle3_ttt_loss,
     init_eagle3,
@@ -25,40 +25,17 @@ from draft_opd_ray.models.eagle3 import (
     save_eagle3,
     target_to_draft,
 )
-from draft_opd_ray.models.target import ensure_embedded_target
-from draft_opd_ray.models.tiny import build_tiny_target
+from tests.helpers import edit_config, randomize_, rope, save_checked_against_its_target, small_shape
 
 V, H = 64, 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matrices: OpenMP hand-offs cost more than the math on a 2-core box (and vLLM needs the other core)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def small_head(draft_vocab: int = 24, seed: int = 0) -> Eagle3Draft:
     """A head on a synthetic 64-token, 2-layer-aux target: fast, and sharp enough that bugs change logits."""
     torch.manual_seed(seed)
-    c = Eagle3Config(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=draft_vocab,
-        aux_layer_ids=(1, 3),
-        rope_theta=100.0,
-    )
+    c = Eagle3Config(**small_shape(H, V), draft_vocab_size=draft_vocab, aux_layer_ids=(1, 3))
     m = Eagle3Draft(c, torch.randn(V, H))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2 and p.requires_grad:
-                p.normal_(0, 0.3)
+    randomize_(m, 0.3)
     m.set_vocab_map(*build_vocab_map(torch.rand(V), draft_vocab))
     return m.eval()
 
@@ -68,23 +45,12 @@ def small_head(draft_vocab: int = 24, seed: int = 0) -> Eagle3Draft:
 # --------------------------------------------------------------------------------------------------
 
 
-def _rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:  # x (heads, d)
-    d = x.shape[-1]
-    out = x.clone()
-    for j in range(d // 2):
-        ang = pos / theta ** (2 * j / d)
-        a, b = x[:, j], x[:, j + d // 2]
-        out[:, j] = a * math.cos(ang) - b * math.sin(ang)
-        out[:, j + d // 2] = b * math.cos(ang) + a * math.sin(ang)
-    return out
-
-
 def _step(m: Eagle3Draft, tok: int, hidden: torch.Tensor, pos: int, cache: list) -> torch.Tensor:
     """Append this token's key/value to ``cache`` and attend over the whole cache; returns the pre-norm output."""
     c, L = m.config, m.midlayer
     x = torch.cat([L.input_layernorm(m.embed_tokens.weight[tok]), L.hidden_norm(hidden)])
-    q = _rope(L.self_attn.q_proj(x).view(c.num_attention_heads, c.head_dim), pos, c.rope_theta)
-    k = _rope(L.self_attn.k_proj(x).view(c.num_key_value_heads, c.head_dim), pos, c.rope_theta)
+    q = rope(L.self_attn.q_proj(x).view(c.num_attention_heads, c.head_dim), pos, c.rope_theta)
+    k = rope(L.self_attn.k_proj(x).view(c.num_key_value_heads, c.head_dim), pos, c.rope_theta)
     cache.append((k, L.self_attn.v_proj(x).view(c.num_key_value_heads, c.head_dim)))
     rep = c.num_attention_heads // c.num_key_value_heads
     heads = []
@@ -237,13 +203,6 @@ def test_vocab_map_round_trip_and_frequency_order() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(
-        tmp_path_factory.mktemp("e3") / "target", tokenizer_from=ensure_embedded_target()
-    )
-
-
 VLLM_KEYS = {
     "fc.weight",
     "norm.weight",
@@ -279,6 +238,16 @@ def test_export_load_identical_logits(tiny_target: Path, tmp_path: Path) -> None
     assert torch.equal(load_eagle3(tmp_path / "e").embed_tokens.weight, m.embed_tokens.weight)
 
 
+def test_default_aux_layers_are_low_middle_and_last_input(tiny_target: Path) -> None:
+    """(2, L/2, L-1) (not vLLM's L-3: the last layers of a small model carry most of its next-token prediction);
+    evenly spread ids for a target too shallow for it."""
+    assert default_aux_layer_ids(30) == (2, 15, 29)
+    assert default_aux_layer_ids(32) == (2, 16, 31)
+    assert default_aux_layer_ids(4) == (1, 2, 3)
+    assert default_aux_layer_ids(3) == (1, 2)
+    assert init_eagle3(tiny_target).config.aux_layer_ids == default_aux_layer_ids(4)
+
+
 def test_full_vocabulary_head_has_no_id_map(tiny_target: Path, tmp_path: Path) -> None:
     m = init_eagle3(tiny_target)
     save_eagle3(m, tmp_path / "d", tiny_target)
@@ -294,109 +263,12 @@ def test_mismatched_drafts_are_rejected(tiny_target: Path, tmp_path: Path) -> No
         init_eagle3(tiny_target, aux_layer_ids=(3, 1, 2))
     with pytest.raises(ModelError, match="token_counts"):
         init_eagle3(tiny_target, draft_vocab_size=100)
-    other = build_tiny_target(tmp_path / "wide", tokenizer_from=tiny_target, hidden=96, heads=3, kv_heads=1)
-    m = init_eagle3(tiny_target)
-    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
-        save_eagle3(m, tmp_path / "d", other)
-    save_eagle3(m, tmp_path / "d", tiny_target)
-    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
-        load_eagle3(tmp_path / "d", other)
-    cfg_path = tmp_path / "d" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["vocab_size"] = 32000
-    cfg_path.write_text(json.dumps(cfg))
+    d = save_checked_against_its_target(
+        save_eagle3, load_eagle3, init_eagle3(tiny_target), tmp_path / "d", tiny_target
+    )
+    edit_config(d, lambda c: c.update(vocab_size=32000))
     with pytest.raises(ModelError, match="vocab_size 32000 != target vocab_size 49152"):
-        load_eagle3(tmp_path / "d", tiny_target)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg_path.write_text(json.dumps(cfg))
+        load_eagle3(d, tiny_target)
+    edit_config(d, lambda c: c.update(architectures=["LlamaForCausalLM"]))  # and still vocab_size 32000
     with pytest.raises(ModelError, match="LlamaForCausalLMEagle3"):
-        load_eagle3(tmp_path / "d", tiny_target)
-
-
-# --------------------------------------------------------------------------------------------------
-# vLLM CPU speculative decoding (slow)
-# --------------------------------------------------------------------------------------------------
-
-
-def _features(target, seq: list[int], layers: tuple[int, ...]) -> torch.Tensor:
-    out = target(torch.tensor([seq]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # (1, T, A*H)
-
-
-@torch.no_grad()
-def reference_spec_decode(target, draft: Eagle3Draft, prompt: list[int], max_tokens: int, k: int):
-    """Greedy speculative decoding with the PyTorch head: (output ids, accepted drafted tokens per step)."""
-    seq = prompt + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
-    accepted: list[int] = []
-    while len(seq) - len(prompt) < max_tokens:
-        feats = _features(target, seq, draft.hidden_state_indices)
-        drafted, _ = draft.propose(torch.tensor([seq]), feats, torch.tensor([len(seq)]), k)
-        block = drafted[0].tolist()
-        greedy = target(torch.tensor([seq + block])).logits[0, len(seq) - 1 :].argmax(-1).tolist()
-        a = 0
-        while a < k and block[a] == greedy[a]:
-            a += 1
-        accepted.append(a)
-        seq += block[:a] + [greedy[a]]
-    return seq[len(prompt) : len(prompt) + max_tokens], accepted
-
-
-@pytest.mark.vllm
-def test_exported_head_serves_in_vllm_losslessly(tiny_target: Path, tmp_path: Path) -> None:
-    """vLLM loads the exported head; greedy output equals plain decoding and every verification step accepts as
-    many tokens as the PyTorch head predicts (a draft vocabulary of the few ids the target emits makes acceptance
-    sensitive to any difference in the computation: features, positions, TTT attention, vocabulary map)."""
-    pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
-    max_tokens, k = 24, 3
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    ids = [tok(p)["input_ids"] for p in prompts]
-    with torch.no_grad():
-        plain = [target.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False) for p in ids]
-    plain_out = [g[0, len(p) :].tolist() for g, p in zip(plain, ids, strict=True)]
-    counts = torch.zeros(49152)
-    for out in plain_out:
-        counts[out] += 1
-    vocab = int((counts > 0).sum()) + 1  # the target's output tokens and eos
-    draft = init_eagle3(tiny_target, draft_vocab_size=vocab, token_counts=counts)
-    with torch.no_grad():  # large random weights: choices among the few ids change from step to step
-        g = torch.Generator().manual_seed(4)
-        for p in draft.parameters():
-            if p.requires_grad and p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    save_eagle3(draft, tmp_path / "draft", tiny_target)
-    expected = [reference_spec_decode(target, draft, p, max_tokens, k) for p in ids]
-    assert len({a for _, acc in expected for a in acc} - {0}) >= 2  # the check below is not vacuous
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(
-            str(tiny_target),
-            dtype="float32",
-            max_model_len=512,
-            enforce_eager=True,
-            seed=0,
-            speculative_config={
-                "method": "eagle3",
-                "model": str(tmp_path / "draft"),
-                "num_speculative_tokens": k,
-            },
-            per_request_spec_decode_metrics="detailed",
-        )
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-    for out, plain_ids, (ref_ids, ref_accepted) in zip(outs, plain_out, expected, strict=True):
-        got = out.outputs[0]
-        assert list(got.token_ids) == plain_ids == ref_ids
-        assert got.spec_decode_metrics is not None
-        assert got.spec_decode_metrics.per_step_accepted == ref_accepted
+        load_eagle3(d, tiny_target)

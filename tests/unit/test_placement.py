@@ -9,7 +9,7 @@ import pytest
 from draft_opd_ray.config.store import compose
 from draft_opd_ray.config.validate import plan_for
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.placement import ray_bundles
+from draft_opd_ray.placement import build_plan
 
 
 @pytest.mark.parametrize("cluster", ["local", "8xA100", "2x8xH100"])
@@ -53,13 +53,22 @@ def test_local_plan_uses_fractional_cpus_only() -> None:
     plan = plan_for(compose())
     assert plan.gpus_used() == 0
     assert sum(s.cpus for s in plan.slots) <= 2.0 + 1e-9
-    assert ray_bundles(plan, "rollout") == [{"CPU": 0.4}, {"CPU": 0.4}]
+    assert plan.bundles("rollout") == [{"CPU": 0.4}, {"CPU": 0.4}]
+    # the placement group: one bundle per actor in plan order, the driver outside it
+    actors = [s for s in plan.slots if s.role != "driver"]
+    assert plan.bundles() == [{"CPU": s.cpus} for s in actors] and len(actors) == len(plan.slots) - 1
 
 
 def test_gpu_bundles_match_plan() -> None:
     plan = plan_for(compose(["+cluster=2x8xH100"]))
-    assert ray_bundles(plan, "rollout") == [{"CPU": 16.0, "GPU": 2.0}] * 4
-    assert ray_bundles(plan, "learner") == [{"CPU": 8.0, "GPU": 1.0}] * 4
+    assert plan.bundles("rollout") == [{"CPU": 16.0, "GPU": 2.0}] * 4
+    assert plan.bundles("learner") == [{"CPU": 8.0, "GPU": 1.0}] * 4
+
+
+def test_plan_is_built_from_the_cluster_node() -> None:
+    cfg = compose(["+cluster=8xA100"])
+    plan = build_plan(cfg.cluster, draft_kind=cfg.draft.kind, zero_stage=cfg.learner.zero_stage)
+    assert plan == plan_for(cfg) and plan.cluster == "8xA100"
 
 
 def test_plan_reports_shortfall() -> None:

@@ -1,10 +1,9 @@
 """DFlash drafter: the many-anchor block mask against brute force, block isolation and "context strictly before
-the anchor", the forward against explicit per-head attention loops, the SFT loss weights, checkpoint round trip and
-target checks, and (marked ``vllm``) serving the exported drafter with vLLM's CPU speculative decoding."""
+the anchor", the forward against explicit per-head attention loops, the SFT loss weights (`sft.recipes`),
+checkpoint round trip and target checks. (Serving the exported drafter in vLLM: tests/integration/test_serve_vllm.py.)"""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from pathlib import Path
@@ -20,47 +19,23 @@ from draft_opd_ray.models.dflash import (
     DFlashDraft,
     default_mask_token_id,
     dflash_attention_mask,
-    dflash_sft_loss,
     init_dflash,
     load_dflash,
-    sample_anchors,
     save_dflash,
 )
-from draft_opd_ray.models.target import ensure_embedded_target
-from draft_opd_ray.models.tiny import build_tiny_target
+from draft_opd_ray.sft.recipes import dflash_sft_loss, sample_anchors
+from tests.helpers import edit_config, randomize_, rope, save_checked_against_its_target, small_shape
 
 V, H, BS = 64, 32, 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matrices: OpenMP hand-offs cost more than the math on a 2-core box (and vLLM needs the other core)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def small_drafter(seed: int = 0) -> DFlashDraft:
     torch.manual_seed(seed)
     c = DFlashConfig(
-        hidden_size=H,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=V,
-        block_size=BS,
-        mask_token_id=V - 1,
-        target_layer_ids=(1, 2),
-        rope_theta=100.0,
+        **small_shape(H, V), num_layers=2, block_size=BS, mask_token_id=V - 1, target_layer_ids=(1, 2)
     )
     m = DFlashDraft(c, torch.randn(V, H), torch.randn(V, H))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2 and p.requires_grad:
-                p.normal_(0, 0.3)
+    randomize_(m, 0.3)
     return m.eval()
 
 
@@ -102,17 +77,6 @@ def test_blocks_are_isolated_and_see_only_context_before_the_anchor() -> None:
             assert not torch.allclose(m(ids, changed, anchors[:, a : a + 1])[:, 0], alone[:, 0])
 
 
-def _rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:  # x (heads, d)
-    d = x.shape[-1]
-    out = x.clone()
-    for j in range(d // 2):
-        ang = pos / theta ** (2 * j / d)
-        a, b = x[:, j], x[:, j + d // 2]
-        out[:, j] = a * math.cos(ang) - b * math.sin(ang)
-        out[:, j + d // 2] = b * math.cos(ang) + a * math.sin(ang)
-    return out
-
-
 @torch.no_grad()
 def reference_block(m: DFlashDraft, ids: torch.Tensor, feats: torch.Tensor, n: int) -> torch.Tensor:
     """One block by explicit loops: context rows 0..n-1 (hidden_norm(fc(f)), no input_layernorm) and the block
@@ -126,11 +90,11 @@ def reference_block(m: DFlashDraft, ids: torch.Tensor, feats: torch.Tensor, n: i
         a = layer.self_attn
         normed = [layer.input_layernorm(v) for v in x]
         rows = [(v, t) for t, v in enumerate(ctx)] + [(v, n + o) for o, v in enumerate(normed)]
-        keys = [_rope(a.k_norm(a.k_proj(v).view(-1, c.head_dim)), p, c.rope_theta) for v, p in rows]
+        keys = [rope(a.k_norm(a.k_proj(v).view(-1, c.head_dim)), p, c.rope_theta) for v, p in rows]
         vals = [a.v_proj(v).view(-1, c.head_dim) for v, _ in rows]
         new = []
         for o, v in enumerate(normed):
-            q = _rope(a.q_norm(a.q_proj(v).view(-1, c.head_dim)), n + o, c.rope_theta)
+            q = rope(a.q_norm(a.q_proj(v).view(-1, c.head_dim)), n + o, c.rope_theta)
             heads = []
             for h in range(c.num_attention_heads):
                 s = torch.stack([(q[h] * k[h // rep]).sum() / math.sqrt(c.head_dim) for k in keys])
@@ -212,13 +176,6 @@ def test_propose_takes_block_offsets_after_the_last_token() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(
-        tmp_path_factory.mktemp("df") / "target", tokenizer_from=ensure_embedded_target()
-    )
-
-
 def test_export_load_identical_logits(tiny_target: Path, tmp_path: Path) -> None:
     m = init_dflash(tiny_target, num_layers=2, block_size=8)
     assert m.config.mask_token_id == default_mask_token_id(tiny_target) == 49151  # ordinary, not special
@@ -261,111 +218,9 @@ def test_mismatched_drafts_are_rejected(tiny_target: Path, tmp_path: Path) -> No
         init_dflash(tiny_target, num_layers=2, target_layer_ids=(0, 3))  # output of the last layer
     with pytest.raises(ModelError, match="strictly increasing"):
         init_dflash(tiny_target, num_layers=2, target_layer_ids=(2, 0))
-    other = build_tiny_target(tmp_path / "wide", tokenizer_from=tiny_target, hidden=96, heads=3, kv_heads=1)
-    m = init_dflash(tiny_target)
-    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
-        save_dflash(m, tmp_path / "d", other)
-    save_dflash(m, tmp_path / "d", tiny_target)
-    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
-        load_dflash(tmp_path / "d", other)
-    cfg_path = tmp_path / "d" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["dflash_config"]["mask_token_id"] = 0
-    cfg_path.write_text(json.dumps(cfg))
+    d = save_checked_against_its_target(
+        save_dflash, load_dflash, init_dflash(tiny_target), tmp_path / "d", tiny_target
+    )
+    edit_config(d, lambda c: c["dflash_config"].update(mask_token_id=0))
     with pytest.raises(ModelError, match="special token"):
-        load_dflash(tmp_path / "d", tiny_target)
-
-
-# --------------------------------------------------------------------------------------------------
-# vLLM CPU speculative decoding (slow)
-# --------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def reference_spec_decode(target, draft: DFlashDraft, prompt: list[int], max_tokens: int):
-    """Greedy DFlash speculative decoding in PyTorch: (output ids, accepted drafted tokens per step)."""
-    k = draft.config.block_size - 1
-    seq = prompt + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
-    accepted: list[int] = []
-    while len(seq) - len(prompt) < max_tokens:
-        hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i] for i in draft.hidden_state_indices], dim=-1)
-        block = draft.propose(torch.tensor([seq]), feats, torch.tensor([len(seq)]))[0][0].tolist()
-        greedy = target(torch.tensor([seq + block])).logits[0, len(seq) - 1 :].argmax(-1).tolist()
-        a = 0
-        while a < k and block[a] == greedy[a]:
-            a += 1
-        accepted.append(a)
-        seq += block[:a] + [greedy[a]]
-    return seq[len(prompt) : len(prompt) + max_tokens], accepted
-
-
-def copying_drafter(target_path: Path) -> DFlashDraft:
-    """A drafter whose mask slots drift from the mask token towards the token that dominates the context as
-    generation goes on: acceptance then depends on the exact context (positions < anchor), RoPE and norms."""
-    m = init_dflash(target_path, num_layers=2, block_size=8, target_layer_ids=(0, 2))
-    g = torch.Generator().manual_seed(0)
-    layer: Any
-    with torch.no_grad():
-        m.fc.weight.zero_()
-        m.fc.weight[:, :64] = torch.eye(64)  # context ~ output of target layer 0 ~ the token's embedding
-        for layer in m.layers:
-            a = layer.self_attn
-            a.q_proj.weight.copy_(torch.randn(a.q_proj.weight.shape, generator=g))
-            a.k_proj.weight.copy_(torch.randn(a.k_proj.weight.shape, generator=g))
-            a.q_norm.weight.fill_(2.0)
-            a.v_proj.weight.copy_(torch.eye(64))
-            a.o_proj.weight.copy_(torch.cat([torch.eye(64), torch.eye(64)], 1) * 0.03)
-            layer.mlp.down_proj.weight.zero_()
-    return m
-
-
-@pytest.mark.vllm
-def test_exported_drafter_serves_in_vllm_losslessly(tiny_target: Path, tmp_path: Path) -> None:
-    """vLLM loads the exported drafter (method dflash, K = bs - 1); greedy output equals plain decoding and each
-    verification step accepts as many tokens as the PyTorch drafter predicts."""
-    pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
-    max_tokens = 40
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    ids = [tok(p)["input_ids"] for p in prompts]
-    with torch.no_grad():
-        plain = [target.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False) for p in ids]
-    plain_out = [g[0, len(p) :].tolist() for g, p in zip(plain, ids, strict=True)]
-    draft = copying_drafter(tiny_target)
-    save_dflash(draft, tmp_path / "draft", tiny_target)
-    expected = [reference_spec_decode(target, draft, p, max_tokens) for p in ids]
-    assert len({a for _, acc in expected for a in acc} - {0}) >= 2  # the check below is not vacuous
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(
-            str(tiny_target),
-            dtype="float32",
-            max_model_len=512,
-            enforce_eager=True,
-            seed=0,
-            speculative_config={
-                "method": "dflash",
-                "model": str(tmp_path / "draft"),
-                "num_speculative_tokens": 7,
-            },
-            per_request_spec_decode_metrics="detailed",
-        )
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-    for out, plain_ids, (ref_ids, ref_accepted) in zip(outs, plain_out, expected, strict=True):
-        got = out.outputs[0]
-        assert list(got.token_ids) == plain_ids == ref_ids
-        assert got.spec_decode_metrics is not None
-        assert got.spec_decode_metrics.per_step_accepted == ref_accepted
+        load_dflash(d, tiny_target)

@@ -1,0 +1,293 @@
+"""Helpers shared by the test tiers: hand-built records, explicit reference computations, tiny models, the
+greedy speculative-decoding loop the serving tests compare against, and starting `draft_opd_ray.main` or a vLLM
+engine. Importing this module imports torch only: vLLM, Ray and DeepSpeed load inside the helpers that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draft_opd_ray.rollout.records import RequestRecord
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------------
+
+
+def synth(rng: random.Random, k: int = 4, steps: int = 6, prompt_len: int = 5) -> RequestRecord:
+    """A consistent record built step by step, the way an engine commits tokens."""
+    prompt = [rng.randrange(100) for _ in range(prompt_len)]
+    resp = [rng.randrange(100)]
+    rec = RequestRecord(prompt_ids=prompt, response_ids=resp, finish_reason="length")
+    for v in range(steps):
+        drafted = [rng.randrange(100) for _ in range(k)]
+        a = rng.randint(0, k)
+        rec.anchor_pos.append(len(prompt) + len(resp) - 1)
+        rec.drafted.append(drafted)
+        rec.accepted.append(a)
+        rec.policy_version.append(v // 2)
+        rec.teacher_logprob_drafted.append([-rng.random() for _ in drafted])
+        resp.extend(drafted[:a] + [rng.randrange(100, 200)])
+    return rec
+
+
+# --------------------------------------------------------------------------------------------------
+# Explicit reference computations and small models
+# --------------------------------------------------------------------------------------------------
+
+
+def rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    """Rotary embedding of one position by its definition (half-split pairs); x is (heads, d)."""
+    d = x.shape[-1]
+    out = x.clone()
+    for j in range(d // 2):
+        ang = pos / theta ** (2 * j / d)
+        a, b = x[:, j], x[:, j + d // 2]
+        out[:, j] = a * math.cos(ang) - b * math.sin(ang)
+        out[:, j + d // 2] = b * math.cos(ang) + a * math.sin(ang)
+    return out
+
+
+def small_shape(hidden: int = 32, vocab: int = 64) -> dict[str, Any]:
+    """The decoder shape of the small synthetic heads (EAGLE-3, DFlash) that the model tests check against
+    explicit loops: 4 query / 2 key-value heads of 16, rope theta 100."""
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 2 * hidden,
+        "vocab_size": vocab,
+        "rope_theta": 100.0,
+    }
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """Large random weights on every trainable matrix, so that bugs change the outputs: drawn from the global
+    RNG (``normal_``) or, with ``generator``, from it (``randn * std``)."""
+    for p in model.parameters():
+        if p.dim() == 2 and p.requires_grad:
+            if generator is None:
+                p.normal_(0, std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+
+def perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """A new weight version: Gaussian noise of ``scale`` times each matrix's std added to the matrices."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * v.std() * torch.randn(v.shape, generator=g)
+        if v.is_floating_point() and v.dim() == 2
+        else v
+        for k, v in state.items()
+    }
+
+
+def tiny_lm(vocab: int, seed: int, hidden: int = 32, layers: int = 2) -> Any:
+    """A random Llama with sharper distributions than the default init, so drafts are sometimes right."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20)
+    return m
+
+
+@torch.no_grad()
+def target_pass(target: Any, seqs: Sequence[list[int]], prompt_lens: Sequence[int]) -> dict[str, Any]:
+    """Right-padded ids/mask, response loss mask, every HF hidden state and the logits of the target."""
+    from draft_opd_ray.rollout.reference import right_pad
+
+    ids, mask = right_pad(seqs)
+    loss_mask = torch.zeros_like(mask)
+    for b, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        loss_mask[b, p : len(s)] = 1
+    out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    return {
+        "ids": ids,
+        "mask": mask,
+        "loss_mask": loss_mask,
+        "hidden": out.hidden_states,
+        "logits": out.logits,
+    }
+
+
+def _fit(draft: Any, steps: int, lr: float, loss: Callable[[], torch.Tensor]) -> Any:
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    draft.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    return draft.eval()
+
+
+def fit_eagle3(draft: Any, batch: dict[str, Any], steps: int, lr: float) -> Any:
+    """An EAGLE-3 head fitted for a few TTT steps to the target's pass (so that it accepts sometimes)."""
+    from draft_opd_ray.models.eagle3 import eagle3_ttt_loss
+
+    feats = torch.cat([batch["hidden"][i] for i in draft.hidden_state_indices], dim=-1)
+    ids, logits, loss_mask, mask = batch["ids"], batch["logits"], batch["loss_mask"], batch["mask"]
+    return _fit(
+        draft,
+        steps,
+        lr,
+        lambda: eagle3_ttt_loss(draft, ids, feats, logits, loss_mask, 3, attention_mask=mask)[0],
+    )
+
+
+def fit_dflash(draft: Any, batch: dict[str, Any], steps: int, lr: float, anchors: int) -> Any:
+    """A DFlash drafter fitted for a few steps of its SFT loss at random anchors of the target's answers."""
+    from draft_opd_ray.sft.recipes import dflash_sft_loss, sample_anchors
+
+    feats = torch.cat([batch["hidden"][i] for i in draft.hidden_state_indices], dim=-1)
+    g = torch.Generator().manual_seed(0)
+
+    def loss() -> torch.Tensor:
+        pos, valid = sample_anchors(batch["loss_mask"], anchors, g)
+        return dflash_sft_loss(
+            draft,
+            batch["ids"],
+            feats,
+            pos,
+            anchor_valid=valid,
+            loss_mask=batch["loss_mask"],
+            attention_mask=batch["mask"],
+        )[0]
+
+    return _fit(draft, steps, lr, loss)
+
+
+def target_features(target: Any, seq: list[int], indices: Sequence[int]) -> torch.Tensor:
+    """(1, T, A*H): the HF hidden states ``indices`` of one sequence, concatenated."""
+    hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in indices], dim=-1)
+
+
+@torch.no_grad()
+def greedy_spec_decode(
+    target: Any, propose: Callable[[list[int]], list[int]], prompt: list[int], max_tokens: int, k: int
+) -> tuple[list[int], list[int]]:
+    """Greedy speculative decoding of one request, step by step: ``propose(seq)`` drafts k ids after the
+    committed ``seq``, the target verifies them. Returns (output ids, accepted drafted tokens per step)."""
+    seq = prompt + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
+    accepted: list[int] = []
+    while len(seq) - len(prompt) < max_tokens:
+        block = propose(seq)
+        greedy = target(torch.tensor([seq + block])).logits[0, len(seq) - 1 :].argmax(-1).tolist()
+        a = 0
+        while a < k and block[a] == greedy[a]:
+            a += 1
+        accepted.append(a)
+        seq += block[:a] + [greedy[a]]
+    return seq[len(prompt) : len(prompt) + max_tokens], accepted
+
+
+def chat_prompt_ids(target: str | os.PathLike[str], questions: Sequence[str]) -> list[list[int]]:
+    """Token ids of one-turn chats with the target's chat template (generation prompt added)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    return [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in questions
+    ]
+
+
+def save_checked_against_its_target(
+    save: Callable[..., Any], load: Callable[..., Any], model: Any, folder: Path, target: Path
+) -> Path:
+    """Saving or loading a head against a wider target (hidden 96, not the tiny target's 64) fails naming both
+    sizes; saving against its own target writes ``folder``."""
+    import pytest
+
+    from draft_opd_ray.errors import ModelError
+    from draft_opd_ray.models.tiny import build_tiny_target
+
+    other = build_tiny_target(folder.parent / "wide", tokenizer_from=target, hidden=96, heads=3, kv_heads=1)
+    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
+        save(model, folder, other)
+    save(model, folder, target)
+    with pytest.raises(ModelError, match="hidden_size 64 != target hidden_size 96"):
+        load(folder, other)
+    return folder
+
+
+def edit_config(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite ``folder/config.json`` after ``edit`` changed it in place."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes and engines
+# --------------------------------------------------------------------------------------------------
+
+
+def run_main(*overrides: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m draft_opd_ray.main <overrides>`` from the repository root; ``env`` adds variables."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "draft_opd_ray.main", *overrides],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@contextlib.contextmanager
+def vllm_llm(path: str | os.PathLike[str], *, max_model_len: int, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM CPU engine (fp32, eager, seed 0, 1 GB KV cache) for ``path``, shut down on exit."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        llm = LLM(
+            str(path), dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=0, **kwargs
+        )
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()

@@ -1,0 +1,38 @@
+"""The driver's pure pieces: which train prompts Draft-OPD rolls out on, and the draft it starts from when neither
+an SFT stage nor draft.path gives one."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from draft_opd_ray.config.schema import Config, DraftConfig, SFTConfig
+from draft_opd_ray.driver import initial_draft, opd_prompts
+from draft_opd_ray.errors import ConfigError
+
+
+def _cfg(**nodes: object) -> Config:
+    return dataclasses.replace(Config(), **nodes)  # type: ignore[arg-type]
+
+
+def test_opd_rolls_out_on_the_prompts_after_the_sft_warm_start() -> None:
+    train = [[i, i + 1] for i in range(5)]
+    cfg = _cfg(sft=SFTConfig(num_prompts=3))
+    assert opd_prompts(cfg, train) == train[3:]
+    assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=4)), train) == [train[4]]
+    # none left after the warm start's: all of them
+    assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=5)), train) == train
+    assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=50)), train) == train
+    assert opd_prompts(cfg, []) == []
+
+
+def test_initial_draft_is_a_fresh_eagle3_head(tiny_target: Path, tmp_path: Path) -> None:
+    from draft_opd_ray.models.eagle3 import load_eagle3
+
+    out = initial_draft(_cfg(), str(tiny_target), tmp_path)
+    assert Path(out) == tmp_path / "draft_init"
+    assert load_eagle3(out, tiny_target).config.aux_layer_ids == (1, 2, 3)
+    with pytest.raises(ConfigError, match="draft.path: a standalone draft needs draft.path or the sft stage"):
+        initial_draft(_cfg(draft=DraftConfig(kind="standalone")), str(tiny_target), tmp_path)

@@ -1,0 +1,134 @@
+"""The pure pieces of the Draft-OPD loop: records -> replay items, the staleness filter over finished rounds, the
+objective's settings from `loss.*`, and the learner's mini-batch split. Records are built by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from draft_opd_ray.algo.loss import LossSpec
+from draft_opd_ray.config.schema import AnchorConfig, Config, LossConfig, ReplayConfig
+from draft_opd_ray.opd.learner import split_mini_batches
+from draft_opd_ray.opd.loop import loss_spec, replay_items, take_rounds
+from draft_opd_ray.rollout.records import RequestRecord, consistency_error
+from tests.helpers import synth
+
+BIG = 10**6
+
+
+def cfg(policy: str, mode: str = "recorded") -> Config:
+    return dataclasses.replace(
+        Config(),
+        anchor=AnchorConfig(policy=policy, max_per_sequence=BIG, max_per_step=BIG),
+        replay=ReplayConfig(mode=mode),
+    )
+
+
+def record(versions: list[int], error: str = "", steps: bool = True) -> RequestRecord:
+    """A consistent record with one verification step per entry of ``versions`` (its policy versions)."""
+    rec = synth(random.Random(len(versions)), k=3, steps=len(versions) if steps else 0)
+    rec.policy_version = list(versions) if steps else []
+    rec.error = error
+    return rec
+
+
+# --------------------------------------------------------------------------------------------------
+# replay_items
+# --------------------------------------------------------------------------------------------------
+
+
+def test_replay_items_carry_every_recorded_block_per_request() -> None:
+    rng = random.Random(0)
+    records = [synth(rng, k=4, steps=5) for _ in range(4)]
+    items = replay_items(records, cfg("all"), seed=0)
+    assert len(items) == len(records)
+    for it, r in zip(items, records):
+        assert it.input_ids == r.prompt_ids + r.response_ids
+        assert (it.anchor_pos, it.drafted, it.accepted) == (r.anchor_pos, r.drafted, r.accepted)
+        assert it.policy_version == r.policy_version[0]
+
+
+def test_replay_items_keep_error_anchors_and_leave_out_requests_without_any() -> None:
+    rng = random.Random(1)
+    records = [synth(rng, k=4, steps=6) for _ in range(5)]
+    full = RequestRecord([1, 2], [3, 4, 5, 6, 7], [2], [[4, 5, 6]], [3], [0], [[-0.1] * 3])  # fully accepted
+    assert consistency_error(full) is None
+    records.insert(2, full)
+    items = replay_items(records, cfg("error"), seed=0)
+    want = [
+        [(p, d, a) for p, d, a in zip(r.anchor_pos, r.drafted, r.accepted) if a < len(d)] for r in records
+    ]
+    assert want[2] == [] and all(w for i, w in enumerate(want) if i != 2)
+    want = [w for w in want if w]
+    assert len(items) == len(want) == len(records) - 1
+    for it, w in zip(items, want):
+        assert list(zip(it.anchor_pos, it.drafted, it.accepted)) == w
+
+
+def test_random_anchors_need_redraft() -> None:
+    """Random positions have no recorded block: recorded replay drops them (and so the whole request); redraft
+    keeps them with unknown acceptance and version clamped to 0."""
+    rng = random.Random(2)
+    records = [synth(rng, k=4, steps=6) for _ in range(3)]
+    assert replay_items(records, cfg("random"), seed=0) == []
+    items = replay_items(records, cfg("random", "redraft"), seed=0)
+    assert items and len(items) <= len(records)
+    for it in items:
+        assert it.anchor_pos and all(d == [] for d in it.drafted)
+        assert all(a == 0 for a in it.accepted) and it.policy_version == 0
+        assert it.anchor_pos == sorted(it.anchor_pos)
+
+
+# --------------------------------------------------------------------------------------------------
+# take_rounds: the staleness filter
+# --------------------------------------------------------------------------------------------------
+
+
+def test_take_rounds_drops_stale_rounds_and_leaves_out_failed_requests() -> None:
+    fresh = [record([4, 4]), record([5])]  # lag 1
+    stale = [record([2, 5]), record([5])]  # its oldest block is 3 versions behind
+    mixed = [record([3]), record([], error="empty prompt", steps=False), record([], steps=False)]  # lag 2
+    errored_only = [record([], error="exceeds max_model_len", steps=False)]
+    old_error = [record([0], error="aborted"), record([5])]  # the failed request's version does not count
+    got, dropped, lag = take_rounds(
+        [fresh, stale, mixed, errored_only, old_error], version=5, max_staleness=2
+    )
+    assert got == [*fresh, mixed[0], old_error[1]]
+    assert dropped == 1 and lag == 2
+
+
+def test_take_rounds_keeps_everything_within_the_bound() -> None:
+    rounds = [[record([0])], [record([1, 2])]]
+    got, dropped, lag = take_rounds(rounds, version=3, max_staleness=3)
+    assert got == [*rounds[0], *rounds[1]] and dropped == 0 and lag == 3
+    got, dropped, lag = take_rounds(rounds, version=3, max_staleness=0)
+    assert got == [] and dropped == 2 and lag == 0
+    assert take_rounds([], version=7, max_staleness=0) == ([], 0, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# loss_spec, split_mini_batches
+# --------------------------------------------------------------------------------------------------
+
+
+def test_loss_spec_takes_the_loss_node() -> None:
+    c = LossConfig(gamma=0.6, lambda_rej=2.0, rejected_scope="first", estimator="topk", logprob_clamp=7.0)
+    sp = loss_spec(c)
+    assert sp == LossSpec(0.6, 1.0, 2.0, "first", "topk", "mixed", 7.0, c.vocab_chunk)
+
+
+def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
+    sizes = [5, 1, 7, 3, 3, 9, 2, 2]
+    batch = [SimpleNamespace(anchor_pos=list(range(n)), i=i) for i, n in enumerate(sizes)]
+    for parts in (1, 2, 3, 4, 8, 20):
+        groups = split_mini_batches(batch, parts)  # type: ignore[arg-type]
+        assert [b.i for g in groups for b in g] == list(range(len(sizes)))  # every sequence once, in order
+        assert all(groups) and len(groups) == min(parts, len(sizes))
+        if parts > 1:
+            loads = [sum(len(b.anchor_pos) for b in g) for g in groups]
+            assert max(loads) <= sum(sizes) / len(groups) + max(sizes), loads
+    with pytest.raises(ValueError, match="mini_batches"):
+        split_mini_batches(batch, 0)  # type: ignore[arg-type]

@@ -1,0 +1,167 @@
+"""Replay (teacher on the draft's own blocks, branches packed into one tree-masked forward) against naive
+per-anchor forwards, the packing by its definition, the top-k payload, each draft kind's student side on the
+replayed blocks, and `replay.mode=redraft` (the current draft's greedy blocks). No learner: the DeepSpeed steps are
+in tests/integration/test_learner_deepspeed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_opd_ray.opd.batch import ReplayItem, branch_mask, pack_branches, payload_bytes
+from draft_opd_ray.opd.replay import ReplayActor
+from tests.helpers import perturbed
+
+
+def test_teacher_matches_naive_per_anchor_forward(replay_case) -> None:
+    c = replay_case
+    item, K = c.item, c.k
+    replay = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K)
+    (t,) = replay.score([item])
+    for j, (n, y, a) in enumerate(zip(item.anchor_pos, item.drafted, item.accepted)):
+        kk = int(t.valid_len[j])
+        for k in range(1, kk + 1):  # p_k = target(x_{<=n} y_{<k}), one full forward each (the naive way)
+            ctx = item.input_ids[: n + 1] + y[: k - 1]
+            with torch.no_grad():
+                want = torch.log_softmax(c.model(torch.tensor([ctx])).logits[0, -1], -1)
+            assert torch.allclose(t.teacher_logprobs[j, k - 1], want, atol=1e-4), (j, k)
+        assert int(t.replay_accepted[j]) == a  # greedy target output: drafts agree exactly up to a
+    assert t.features.shape == (len(item.input_ids), 3 * c.model.config.hidden_size)
+    assert t.valid_len.tolist() == [4, 4, 4, 4, 4]
+
+
+def test_pack_branches_by_definition() -> None:
+    """Block position k of anchor (n, y, a) sits on the stream (row n+k-1) for k <= a+1; later positions are a
+    branch y_{a+1}.. appended after the stream at positions n+a+1.., seeing x_{<=n+a} and its own earlier tokens."""
+    seq = list(range(100, 120))
+    blocks = [[1, 2, 3, 4], [seq[9], 5, 6, 7], [seq[18], seq[19], 8, 9]]
+    item = ReplayItem(seq, [2, 8, 17], blocks, [0, 1, 3], 0)
+    packed = pack_branches(item, 4)
+    T = len(seq)
+    # anchor 0 (a=0): row 2, then the branch y_1..y_3; anchor 1 (a=1): rows 8, 9, then y_2, y_3; anchor 2 (a=3,
+    # the stream cut 2 tokens after it): rows 17, 18, 19 only, no teacher for k=4
+    assert packed.input_ids.tolist() == seq + [1, 2, 3, 5, 6]
+    assert packed.position_ids.tolist() == list(range(T)) + [3, 4, 5, 10, 11]
+    assert [r.tolist() for r in packed.rows] == [[2, T, T + 1, T + 2], [8, 9, T + 3, T + 4], [17, 18, 19]]
+    spans = [(T, 3, 2), (T + 3, 2, 9)]
+    assert torch.equal(packed.mask, branch_mask(T + 5, T, spans))
+    allowed = packed.mask == 0
+    for q in range(T + 5):
+        for key in range(T + 5):
+            if q < T:
+                want = key <= q
+            else:
+                start, n, last = next(s for s in spans if s[0] <= q < s[0] + s[1])
+                want = key <= last or start <= key <= q
+            assert bool(allowed[q, key]) == want, (q, key)
+
+
+def test_topk_payload_is_the_full_teacher_top_k(replay_case) -> None:
+    """payload=topk ships the top k of the same teacher distributions and is far smaller (the learner steps on
+    it in test_learner_deepspeed.py; the estimator itself is checked against brute force in test_loss.py)."""
+    c = replay_case
+    (full,) = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k).score([c.item])
+    (top,) = ReplayActor(
+        str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k, payload="topk", topk=8
+    ).score([c.item])
+    assert full.teacher_logprobs is not None and top.teacher_logprobs is None
+    assert top.teacher_topk_ids is not None and top.teacher_topk_logprobs is not None
+    want_lp, want_ids = full.teacher_logprobs.topk(8, dim=-1)
+    assert torch.equal(top.teacher_topk_ids, want_ids) and torch.allclose(top.teacher_topk_logprobs, want_lp)
+    assert payload_bytes(top) < payload_bytes(full) / 4
+
+
+def test_standalone_student_matches_naive_forward(replay_case, tmp_path) -> None:
+    """q_k of a standalone LM draft is its distribution after x_{<=n} y_{<k}: the student gets it for every anchor
+    and position from one tree-masked forward, equal to one full forward per position."""
+    from draft_opd_ray.models.standalone import load_standalone
+    from draft_opd_ray.opd.students import StandaloneStudent, replay_needs
+
+    c = replay_case
+    item = c.item
+    draft = c.draft("standalone", tmp_path / "sa")
+    assert replay_needs("standalone", str(draft), str(c.target)) == ([], None)
+    (t,) = c.replay("standalone", draft).score([item])
+    assert t.features.shape == (len(item.input_ids), 0)
+    student = StandaloneStudent(str(draft), str(c.target))
+    assert student.features == () and student.draft_ids is None
+    with torch.no_grad():
+        got = torch.log_softmax(student.block_hidden(t) @ student.lm_head.T, -1)
+    naive = load_standalone(draft).eval()
+    for j, (n, y) in enumerate(zip(item.anchor_pos, item.drafted)):
+        for k in range(1, int(t.valid_len[j]) + 1):
+            ctx = item.input_ids[: n + 1] + y[: k - 1]
+            with torch.no_grad():
+                want = torch.log_softmax(naive(torch.tensor([ctx])).logits[0, -1], -1)
+            assert torch.allclose(got[j, k - 1], want, atol=1e-4), (j, k)
+    assert "lm_head.weight" not in student.rollout_state()  # tied: written once, as save_pretrained does
+
+
+def test_dflash_student_drafts_every_block_alone(replay_case, tmp_path) -> None:
+    """A DFlash student drafts all K offsets in one pass from the target features before the anchor: the block
+    states of all anchors at once equal those of one anchor at a time (blocks are isolated)."""
+    from draft_opd_ray.opd.students import DFlashStudent
+
+    c = replay_case
+    draft = c.draft("dflash", tmp_path / "df")
+    (t,) = c.replay("dflash", draft).score([c.item])
+    student = DFlashStudent(str(draft), str(c.target))
+    assert student.features == tuple(student.model.hidden_state_indices) and student.draft_ids is None
+    with torch.no_grad():
+        whole = student.block_hidden(t)
+        one = student.model(t.input_ids[None], t.features[None], t.anchor_pos[None, 2:3])[0, 0, 1 : c.k + 1]
+    assert whole.shape == (len(c.item.anchor_pos), c.k, student.model.config.hidden_size)
+    assert torch.allclose(whole[2], one, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "standalone", "dflash"])
+def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp_path, kind: str) -> None:
+    """replay.mode=redraft: every anchor's block equals what the draft proposes from that prefix alone (its
+    vLLM-equivalent `propose`, or HF greedy generation for a standalone LM), acceptance is the leading agreement
+    with the committed stream, and a published weight version changes the blocks."""
+    from draft_opd_ray.models.standalone import load_standalone
+    from draft_opd_ray.opd.students import make_student, replay_needs
+
+    c = replay_case
+    item, K = c.item, c.k
+    draft = c.draft(kind, tmp_path / kind, num_layers=2 if kind == "standalone" else 1)
+    feats, _ = replay_needs(kind, str(draft), str(c.target))
+    replay = c.replay(kind, draft, mode="redraft", draft_kind=kind, draft_dir=str(draft))
+    (t,) = replay.score([item])
+    seq = torch.tensor(item.input_ids)
+    with torch.no_grad():
+        hs = c.model(seq[None], output_hidden_states=True).hidden_states
+        f = torch.cat([hs[i] for i in feats], dim=-1) if feats else None
+        ref = make_student(kind, str(draft), str(c.target)).model.eval()
+        lm = load_standalone(draft).eval() if kind == "standalone" else None
+        for j, n in enumerate(item.anchor_pos):
+            if lm is not None:
+                out = lm.generate(seq[None, : n + 1], max_new_tokens=K, do_sample=False, min_new_tokens=K)
+                want = out[0, n + 1 :]
+            else:
+                want = ref.propose(seq[None, : n + 1], f[:, : n + 1], torch.tensor([n + 1]), K)[0][0]
+            assert t.drafted[j].tolist() == want.tolist(), (kind, j)
+            stream = item.input_ids[n + 1 : n + 1 + K]
+            a = next(
+                (i for i, (x, y) in enumerate(zip(want.tolist(), stream)) if x != y), min(K, len(stream))
+            )
+            assert int(t.accepted[j]) == a
+    # a new version of the draft: different blocks from the next call on
+    noisy = perturbed(make_student(kind, str(draft), str(c.target)).rollout_state(), 0.5, seed=1)
+    assert replay.load_draft_weights(noisy, 3) == 3
+    (t2,) = replay.score([item])
+    assert t2.policy_version == 3 and not torch.equal(t2.drafted, t.drafted)
+    with pytest.raises(ValueError, match="unknown names"):
+        replay.load_draft_weights({"nope.weight": torch.zeros(1)}, 4)
+
+
+def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
+    c = replay_case
+    with pytest.raises(ValueError, match="payload"):
+        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, payload="half")
+    with pytest.raises(ValueError, match="mode"):
+        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="fresh")
+    with pytest.raises(ValueError, match="redraft needs draft_kind and draft_dir"):
+        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="redraft")
+    with pytest.raises(RuntimeError, match="holds no draft"):
+        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k).load_draft_weights({}, 1)
