@@ -56,7 +56,10 @@ def make_student(kind: str, draft_dir: str, target: str) -> Student:
 
 def replay_needs(kind: str, draft_dir: str, target: str) -> tuple[list[int], list[int] | None]:
     """What the replay ships for this draft: the HF `hidden_states` indices of its target features and the
-    target ids of its vocabulary (None: the target's whole vocabulary)."""
+    target ids of its vocabulary (None: the target's whole vocabulary). A draft that conditions on no target
+    features is an LM with the target's own vocabulary: nothing to load to know that."""
+    if not draft_kind(kind).feature_conditioned:
+        return [], None
     s = make_student(kind, draft_dir, target)
     return list(s.features), s.draft_ids
 
