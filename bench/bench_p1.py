@@ -104,7 +104,7 @@ def main() -> None:
                 f"sft.max_flops={budget}",
                 f"sft.num_prompts={args.sft_prompts}",
                 "sft.trajectory_dtype=float32",
-                "sft.time_budget_min=600",
+                "sft.train_tokens=null",
                 "sft.epochs=100",  # the FLOPs budget ends it (one epoch of 768 answers is ~1.2e14 FLOPs)
                 "sft.reuse=false",
                 f"sft.lr={args.lr}",

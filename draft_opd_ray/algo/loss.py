@@ -31,10 +31,14 @@ Estimators (`objective_terms` dispatches on `LossSpec.estimator`; the inputs dat
 The teacher must already be in the student's vocabulary (an EAGLE-3 head with a reduced draft vocabulary gets the
 target's logits restricted to the d2t ids by the caller); teacher inputs are constants (no gradient).
 
-Clamps, as the public code: per-token losses are capped at `clamp` (no gradient through a capped term) and the
-`token` estimator clamps the log-probs it uses at -clamp. The exact estimators do not clamp per-vocabulary
-log-probs: at V ~ 49k a near-uniform student has every log q < -10, and clamping there would zero the forward-KL
-gradient (and smear the teacher for reverse KL).
+Caps: a per-token loss above `clamp` counts as `clamp` in the value, and its gradient is scaled by
+clamp / KL instead of cut (cap(x) = x * min(1, clamp / x) with the factor held constant). A hard cap gives
+no gradient exactly where the student is confidently wrong (q(y) = 0.95 on a token the teacher gives 1e-7:
+RKL 15.3), the positions reverse KL exists for; the scaled gradient keeps their direction and bounds their size.
+The `token` estimator clamps the log-probs it uses at -clamp in the value only (the student's gradient passes
+straight through the clamp, for the same reason). The exact estimators do not clamp per-vocabulary log-probs: at
+V ~ 49k a near-uniform student has every log q < -10, and clamping there would zero the forward-KL gradient (and
+smear the teacher for reverse KL).
 
 Global normalisation: `objective_terms` returns the numerator (with grad) and this batch's denominator; the caller
 divides by the denominator summed over all micro-batches and data-parallel ranks of one optimizer step
@@ -152,6 +156,21 @@ def _log_tiny(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny)
 
 
+def _cap_scale(kl: torch.Tensor, clamp: float) -> torch.Tensor:
+    """min(1, clamp / kl): the factor that caps a per-token loss at ``clamp`` (constant: no gradient)."""
+    return (clamp / kl.detach().clamp(min=clamp)).to(kl.dtype)
+
+
+def soft_cap(kl: torch.Tensor, clamp: float) -> torch.Tensor:
+    """Value min(kl, clamp); gradient min(1, clamp / kl) x d kl, never zero (module docstring, "Caps")."""
+    return kl * _cap_scale(kl, clamp)
+
+
+def _clamp_value(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """x clamped to [lo, hi] in value; the gradient passes straight through."""
+    return x + (x.detach().clamp(lo, hi) - x.detach())
+
+
 def _chunk_logprobs(
     hidden: torch.Tensor,  # (Tc, H)
     weight: torch.Tensor,  # (Vc, H)
@@ -167,7 +186,7 @@ def _chunk_logprobs(
 
 
 class _ChunkedKL(torch.autograd.Function):
-    """sum_t cap(FKL_t) w_fwd_t + cap(RKL_t) w_rev_t without live [T x V] tensors; cap(x) = min(x, clamp).
+    """sum_t cap(FKL_t) w_fwd_t + cap(RKL_t) w_rev_t without live [T x V] tensors; cap = `soft_cap`.
 
     Forward per token chunk: pass 1 takes the logsumexp of student and teacher logits over vocabulary chunks, pass 2
     accumulates both KLs. Backward recomputes the student logits chunk by chunk from the saved logsumexps, with
@@ -210,9 +229,9 @@ class _ChunkedKL(torch.autograd.Function):
         num = (w_fwd * torch.where(w_fwd > 0, fkl.clamp(max=clamp), 0)).sum() + (
             w_rev * torch.where(w_rev > 0, rkl.clamp(max=clamp), 0)
         ).sum()
-        # gradient coefficients: weight where the term is used and not capped (torch.clamp passes x == clamp)
-        coef_f = torch.where((w_fwd > 0) & (fkl <= clamp), w_fwd, 0)
-        coef_r = torch.where((w_rev > 0) & (rkl <= clamp), w_rev, 0)
+        # gradient coefficients: the weight where the term is used, scaled by clamp / KL where it is capped
+        coef_f = torch.where(w_fwd > 0, w_fwd * _cap_scale(fkl, clamp), 0)
+        coef_r = torch.where(w_rev > 0, w_rev * _cap_scale(rkl, clamp), 0)
         ctx.save_for_backward(hidden, weight, teacher, lse_q, lse_p, coef_f, coef_r, rkl)
         ctx.chunks = (token_chunk, vocab_chunk)
         ctx.mark_non_differentiable(fkl, rkl)
@@ -323,8 +342,8 @@ def token_kl(
     clamped_f = (lq_c.detach() < -clamp) | (lp_c < -clamp)
     clamped_r = (lq_y.detach() < -clamp) | (lp_y < -clamp)
     top = math.log1p(-torch.finfo(dt).eps)
-    lq_c, lp_c = lq_c.clamp(-clamp, top), lp_c.clamp(-clamp, top)
-    lq_y, lp_y = lq_y.clamp(-clamp, top), lp_y.clamp(-clamp, top)
+    lq_c, lp_c = _clamp_value(lq_c, -clamp, top), lp_c.clamp(-clamp, top)
+    lq_y, lp_y = _clamp_value(lq_y, -clamp, top), lp_y.clamp(-clamp, top)
     p = lp_c.exp()
     fkl = p * (lp_c - lq_c) + (1 - p) * (_log1mexp(lp_c) - _log1mexp(lq_c))
     delta = lp_y - lq_y
@@ -374,7 +393,7 @@ class ObjectiveTerms:
 
 def _capped_sum(kl: torch.Tensor, w: torch.Tensor, clamp: float) -> torch.Tensor:
     w = w.to(kl.dtype)
-    return (w * torch.where(w > 0, kl.clamp(max=clamp), 0)).sum()
+    return (w * torch.where(w > 0, soft_cap(kl, clamp), 0)).sum()
 
 
 def objective_terms(
@@ -478,5 +497,5 @@ def sft_terms(
     )
     n = float(committed_ids.numel())
     return ObjectiveTerms(
-        numerator=ce, denominator=n, metrics={"loss": float(ce) / n if n else 0.0, "n_tokens": n}
+        numerator=ce, denominator=n, metrics={"loss": float(ce.detach()) / n if n else 0.0, "n_tokens": n}
     )

@@ -84,6 +84,8 @@ class DraftConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 4  # training-time-test unroll depth (= K)
     ttt_decay: float = 0.8
+    # train the LM head too, in SFT and in Draft-OPD alike (off: the target's rows of the draft vocabulary)
+    train_lm_head: bool = False
     # dflash
     block_size: int = 8  # B; vLLM serves it with num_speculative_tokens = B - 1
     num_layers: int = 1
@@ -188,16 +190,17 @@ class AnchorConfig:
     """Which block starts are replayed (docs/design.md, "Anchors")."""
 
     policy: str = "error"  # error | all | random
-    max_per_sequence: int = 64
-    max_per_step: int = (
-        4096  # replay scores whole sequences, so every anchor of a replayed one costs ~nothing
-    )
+    # Caps, off by default: the replay pays one forward over each sequence, so an anchor of a replayed sequence
+    # costs only its branch tokens (P4 in docs/benchmarks.md); the step cap drops whole sequences, never part of one
+    max_per_sequence: int | None = None
+    max_per_step: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         _one_of(self.policy, "anchor.policy", ("error", "all", "random"))
-        _check(self.max_per_sequence >= 1, "anchor.max_per_sequence", "must be >= 1")
-        _check(self.max_per_step >= 1, "anchor.max_per_step", "must be >= 1")
+        for name in ("max_per_sequence", "max_per_step"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"anchor.{name}", f"must be >= 1 or null, got {v}")
 
 
 @dataclass
@@ -205,11 +208,26 @@ class ReplayConfig:
     """Teacher scoring at the selected anchors (docs/design.md, "Replay")."""
 
     mode: str = "recorded"  # recorded | redraft
-    topk: int = 32  # teacher top-k shipped to the learner when loss.estimator = topk
 
     def __post_init__(self) -> None:
         _one_of(self.mode, "replay.mode", ("recorded", "redraft"))
-        _check(self.topk >= 1, "replay.topk", f"must be >= 1, got {self.topk}")
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher distribution both training arms learn from: the SFT feature pass and the Draft-OPD replay run
+    the target in the same precision and keep the same truncation, so the arms differ only in data and objective."""
+
+    dtype: str = (
+        "auto"  # target forward precision; auto: bfloat16 where it is fast (GPU, AVX512-BF16), else float32
+    )
+    # the teacher's top-k over the draft vocabulary (SFT's soft labels; Draft-OPD's loss.estimator=topk);
+    # null = the whole draft vocabulary (loss.estimator=full or token; SFT then caches Vd values per token)
+    topk: int | None = 16
+
+    def __post_init__(self) -> None:
+        _one_of(self.dtype, "teacher.dtype", ("auto", "float32", "bfloat16", "float16"))
+        _check(self.topk is None or self.topk >= 1, "teacher.topk", f"must be >= 1 or null, got {self.topk}")
 
 
 @dataclass
@@ -220,7 +238,7 @@ class LossConfig:
     lambda_acc: float = 1.0
     lambda_rej: float = 1.0
     rejected_scope: str = "all"  # all | first
-    estimator: str = "full"  # full | topk | token
+    estimator: str = "topk"  # topk (needs teacher.topk) | full | token (need teacher.topk=null)
     directions: str = "mixed"  # mixed | forward | reverse (ablations: one KL everywhere)
     objective: str = "opd"  # opd | sft_on_rollouts (ablation: CE on committed tokens, no replay)
     logprob_clamp: float = 10.0
@@ -243,7 +261,10 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    """The Draft-OPD learner's AdamW and schedule (draft_opd_ray/optim.py). The default peak lr is where the SFT
+    schedule ends (sft.lr 1e-3 x the cosine floor 0.1), so Draft-OPD continues its warm start without a jump."""
+
+    lr: float = 1e-4
     warmup_ratio: float = 0.05
     schedule: str = "cosine"  # cosine | constant
     weight_decay: float = 0.0
@@ -296,13 +317,17 @@ class AsyncConfig:
 
 @dataclass
 class SFTConfig:
-    """The SFT warm start / baseline recipe (EAGLE-3 TTT, DFlash block loss, standalone distillation)."""
+    """The SFT warm start / baseline recipe (EAGLE-3 TTT, DFlash block loss, standalone distillation).
+
+    The budget is counted in trained tokens (``train_tokens``: response tokens whose loss is counted), so the
+    same command trains the same draft on any machine; ``epochs`` and ``max_flops`` can end it earlier and
+    ``time_budget_min`` is only a wall-clock cap (off by default)."""
 
     # The EAGLE-3 warm start's recipe (other kinds override in their draft group). A head this small generalises
     # from the number of distinct target answers more than from more passes over them, so: many answers,
     # generated in bfloat16 where the hardware has it (1.5x faster on a CPU with AVX512-BF16, several times slower
-    # on one without; they are only contexts, the soft labels come from the teacher-forced forward), and small batches (docs/LOG.md). On a 2-core CPU with AVX512-BF16:
-    # ~10 min of answers (cold, cached after) + 33 min of features (~9) and training.
+    # on one without; they are only contexts, the soft labels come from the teacher-forced forward), and small
+    # batches (docs/LOG.md). 1.25M trained tokens = the ~5,000 steps of 512 padded tokens that reached tau 1.84.
     num_prompts: int = 1536  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
     trajectory_dtype: str = (
@@ -311,12 +336,13 @@ class SFTConfig:
     # more train prompts whose data-set answers (not the target's) are scored by the target and added to the SFT
     # data: ~4x cheaper per token than generating (teacher forcing); taken after data.train's prompts
     dataset_answers: int = 0
-    epochs: int = 20  # passes over the answers; the time budget usually ends training first on CPU
+    train_tokens: int | None = 1_250_000  # the budget: trained (loss) tokens; None = epochs only
+    epochs: int = 20  # passes over the answers (a cap: train_tokens usually ends training first)
     batch_tokens: int = 512  # padded tokens per step (smaller batches, more steps: better on a CPU budget)
     lr: float = 1e-3
-    time_budget_min: float = 33.0  # feature building + training
+    time_budget_min: float | None = None  # wall-clock cap on features + training (None: no cap)
     reuse: bool = True  # reuse a finished warm start with the same settings from the cache
-    curve_minutes: list[float] = field(default_factory=list)  # extra draft exports at these budget minutes
+    curve_tokens: list[int] = field(default_factory=list)  # extra draft exports at these trained-token counts
     start_from: str | None = None  # continue from an exported draft (fresh optimizer) instead of a new one
     max_flops: float | None = None  # stop once training FLOPs (draft + target) reach this
 
@@ -328,12 +354,13 @@ class SFTConfig:
             "sft.trajectory_dtype",
             f"must be auto, float32 or bfloat16, got {self.trajectory_dtype!r}",
         )
-        _check(all(m > 0 for m in self.curve_minutes), "sft.curve_minutes", "values must be > 0")
+        _check(all(t > 0 for t in self.curve_tokens), "sft.curve_tokens", "values must be > 0")
         _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")
+        _check(self.train_tokens is None or self.train_tokens >= 1, "sft.train_tokens", "must be >= 1")
         _check(self.epochs >= 1, "sft.epochs", "must be >= 1")
         _check(self.batch_tokens >= 16, "sft.batch_tokens", "must be >= 16")
         _check(self.lr > 0, "sft.lr", f"must be > 0, got {self.lr}")
-        _check(self.time_budget_min > 0, "sft.time_budget_min", "must be > 0")
+        _check(self.time_budget_min is None or self.time_budget_min > 0, "sft.time_budget_min", "must be > 0")
         _check(self.max_flops is None or self.max_flops > 0, "sft.max_flops", "must be > 0")
 
 
@@ -395,6 +422,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)

@@ -80,10 +80,10 @@ def _check_training(cfg: Config) -> None:
             f"draft.path: the opd stage post-trains an existing {cfg.draft.kind} draft; give its folder "
             "(only an eagle3 head can start from scratch)"
         )
-    if cfg.loss.estimator == "token":
+    if cfg.loss.objective == "opd" and (cfg.loss.estimator == "topk") != (cfg.teacher.topk is not None):
         raise ConfigError(
-            "loss.estimator: the opd stage ships full or top-k teacher distributions; use full or topk "
-            "(token is available in draft_opd_ray.algo.loss for custom loops)"
+            f"loss.estimator: {cfg.loss.estimator} with teacher.topk={cfg.teacher.topk}: the topk estimator "
+            "needs a teacher top-k (teacher.topk=16), full and token need the whole distribution (teacher.topk=null)"
         )
     if cfg.anchor.policy == "random" and cfg.replay.mode == "recorded":
         raise ConfigError(

@@ -42,6 +42,7 @@ class DraftKind:
     feature_conditioned: bool  # needs target hidden states (replay ships them)
     starts_fresh: bool  # the opd stage may start from a freshly initialised draft
     student_class: str
+    lm_head_option: bool = False  # has an LM head of its own that `draft.train_lm_head` may train
 
     def load(self, path: str | os.PathLike[str], target: str | os.PathLike[str]) -> Any:
         return _resolve(f"draft_opd_ray.models.{self.name}:load_{self.name}")(path, target)
@@ -68,7 +69,7 @@ class DraftKind:
 KINDS: dict[str, DraftKind] = {
     k.name: k
     for k in (
-        DraftKind("eagle3", "eagle3", "LlamaForCausalLMEagle3", True, True, "Eagle3"),
+        DraftKind("eagle3", "eagle3", "LlamaForCausalLMEagle3", True, True, "Eagle3", lm_head_option=True),
         DraftKind("standalone", "draft_model", "", False, False, "Standalone"),
         DraftKind("dflash", "dflash", "DFlashDraftModel", True, False, "DFlash"),
     )
@@ -88,6 +89,11 @@ def draft_kind(name: str) -> DraftKind:
 
 def check_draft_config(d: Any) -> None:
     """What a DraftConfig can refute on its own."""
+    if d.train_lm_head and not draft_kind(d.kind).lm_head_option:
+        raise ConfigError(
+            f"draft.train_lm_head: a {d.kind} draft has no LM head of its own to train or freeze "
+            "(only eagle3 has the option)"
+        )
     if d.kind == "dflash" and d.num_speculative_tokens != d.block_size - 1:
         raise ConfigError(
             f"draft.num_speculative_tokens: DFlash proposes block_size - 1 = {d.block_size - 1} tokens per step, "

@@ -43,6 +43,17 @@ class TeacherItem:
     teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
 
 
+def committed_blocks(t: TeacherItem) -> torch.Tensor:
+    """(N, K) target ids: at block position k <= a+1 (whose context is the committed stream) the committed token
+    x_{n+k}; -1 after the first rejection, past the sequence's end and past K'."""
+    N, K = t.drafted.shape
+    T = len(t.input_ids)
+    j = torch.arange(K)[None, :]  # k - 1
+    pos = t.anchor_pos[:, None] + j + 1  # (N, K)
+    ok = (j <= t.accepted[:, None]) & (j < t.valid_len[:, None]) & (pos < T)
+    return torch.where(ok, t.input_ids[pos.clamp(max=T - 1)], -1)
+
+
 def payload_bytes(t: TeacherItem) -> int:
     """What one scored sequence ships to the learner (features + teacher)."""
     parts = [t.features, t.teacher_logprobs, t.teacher_topk_ids, t.teacher_topk_logprobs]

@@ -4,29 +4,32 @@ One call to `step` is one optimizer step over a global batch of anchors. The obj
 global denominator (docs/design.md, "Objective"), computed from the anchors before any forward, so the loss does not
 depend on how the batch is split into micro-batches or data-parallel ranks. Weights for the rollout
 workers come out in the draft's checkpoint names (`rollout_state`).
+
+`objective` "sft_on_rollouts" (the ablation without the on-policy signal): the blocks are the committed
+continuations themselves, and the loss is cross-entropy on those committed tokens, normalised by their count.
+The trained weights, the AdamW + DeepSpeed engine and the schedule are the SFT arm's (`draft_opd_ray.optim`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from draft_opd_ray.algo.loss import FullInputs, LossSpec, TopkInputs, denominator, objective_terms
+from draft_opd_ray.algo.loss import (
+    FullInputs,
+    LossSpec,
+    ObjectiveTerms,
+    TokenInputs,
+    TopkInputs,
+    denominator,
+    objective_terms,
+    sft_terms,
+)
 from draft_opd_ray.distributed import init_process_group
-from draft_opd_ray.opd.batch import TeacherItem
-
-
-def lr_lambda(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
-    warm = max(1, int(total * warmup_ratio))
-    if step < warm:
-        return (step + 1) / warm
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warm) / max(1, total - warm)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
+from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 
 
 def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
@@ -59,6 +62,7 @@ class Learner:
         *,
         kind: str = "eagle3",
         spec: LossSpec,
+        objective: str = "opd",
         lr: float,
         betas: Sequence[float],
         weight_decay: float,
@@ -67,35 +71,41 @@ class Learner:
         total_steps: int,
         zero_stage: int,
         grad_clip: float,
+        dtype: str = "float32",
+        train_lm_head: bool = False,
         num_threads: int | None = None,
         backend: str = "auto",
     ) -> None:
-        import deepspeed
-
+        """``dtype``: the resolved `learner.dtype`; ``total_steps``: optimizer updates of the whole run."""
         from draft_opd_ray.opd.students import make_student
 
+        if objective not in ("opd", "sft_on_rollouts"):
+            raise ValueError(f"objective must be 'opd' or 'sft_on_rollouts', got {objective!r}")
         if num_threads:
             torch.set_num_threads(num_threads)
         init_process_group(backend)
         self.target = target
         self.student = make_student(kind, draft_dir, target)
         self.model = self.student.model
-        self.spec = spec
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_lambda(s, total_steps, warmup_ratio, schedule)
-        )
-        ds_config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": zero_stage},
-            "gradient_clipping": grad_clip,
-        }
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=self.model, optimizer=opt, lr_scheduler=sched, config=ds_config
+        self.spec, self.objective = spec, objective
+        self.engine, _, self.scheduler = build_engine(
+            self.model,
+            trainable_parameters(self.model, kind, train_lm_head),
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            zero_stage=zero_stage,
+            dtype=dtype,
+            grad_clip=grad_clip,
+            lr_lambda=lambda s: lr_factor(s / max(1, total_steps), warmup_ratio, schedule),
         )
         self.version = 0
+        ids = self.student.draft_ids
+        # target id -> student vocabulary index (-1: not in it); None: the student has the target's vocabulary
+        self.to_student: torch.Tensor | None = None
+        if ids is not None:
+            self.to_student = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+            self.to_student[torch.tensor(ids)] = torch.arange(len(ids))
 
     def step(self, batch: Sequence[TeacherItem], mini_batches: int = 1) -> dict[str, float]:
         """One Draft-OPD step: `mini_batches` optimizer updates over the step's anchors (verl's PPO mini-batches).
@@ -120,37 +130,76 @@ class Learner:
         out["updates"] = float(len(done))
         return out
 
-    def _update(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
+    def _student_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> the student's vocabulary (-1 where it has no such token)."""
+        if self.to_student is None:
+            return target_ids
+        inside = target_ids < len(self.to_student)
+        return torch.where(inside, self.to_student[target_ids.clamp(max=len(self.to_student) - 1)], -1)
+
+    def _inputs(
+        self, b: TeacherItem, rows: torch.Tensor, mask: torch.Tensor
+    ) -> FullInputs | TopkInputs | TokenInputs:
+        """The estimator's inputs at the valid block positions (``rows``: student hidden states there)."""
+        lm_head = self.student.lm_head
+        est = self.spec.estimator
+        if est == "topk":
+            if b.teacher_topk_ids is None or b.teacher_topk_logprobs is None:
+                raise ValueError("loss.estimator=topk needs the replay's topk payload (teacher.topk set)")
+            return TopkInputs(rows @ lm_head.T, b.teacher_topk_ids[mask], b.teacher_topk_logprobs[mask])
+        if b.teacher_logprobs is None:
+            raise ValueError(f"loss.estimator={est} needs the replay's full payload (teacher.topk=null)")
+        teacher = b.teacher_logprobs[mask]  # (T, Vd)
+        if est == "full":
+            return FullInputs(rows, lm_head, teacher)
+        drafted = self._student_ids(b.drafted)[mask]
+        committed = self._student_ids(committed_blocks(b))[mask]
+        committed = torch.where(
+            committed >= 0, committed, drafted
+        )  # past the stream, or outside the vocabulary
+        return TokenInputs(
+            rows @ lm_head.T,
+            committed,
+            drafted,
+            teacher.gather(-1, committed[:, None])[:, 0],
+            teacher.gather(-1, drafted[:, None])[:, 0],
+        )
+
+    def _terms(self, b: TeacherItem) -> ObjectiveTerms:
+        """This sequence's objective terms (numerator with grad; divide by the global denominator)."""
+        K = b.drafted.shape[1]
+        hidden = self.student.block_hidden(b)  # (N, K, H)
+        mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
+        if self.objective == "sft_on_rollouts":
+            labels = self._student_ids(committed_blocks(b))
+            keep = mask & (labels >= 0)
+            return sft_terms(hidden[keep] @ self.student.lm_head.T, labels[keep])
+        return objective_terms(self._inputs(b, hidden[mask], mask), b.accepted, b.valid_len, K, self.spec)
+
+    def _denominator(self, batch: Sequence[TeacherItem]) -> float:
+        """The global denominator, from the anchors alone (before any forward)."""
         K = batch[0].drafted.shape[1]
+        if self.objective == "sft_on_rollouts":
+            mask = [torch.arange(K)[None, :] < b.valid_len[:, None] for b in batch]
+            return float(
+                sum(
+                    int((m & (self._student_ids(committed_blocks(b)) >= 0)).sum())
+                    for m, b in zip(mask, batch)
+                )
+            )
         acc = torch.cat([b.accepted for b in batch])
         valid = torch.cat([b.valid_len for b in batch])
-        global_den = denominator(acc, valid, K, self.spec)
+        return denominator(acc, valid, K, self.spec)
+
+    def _update(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
+        global_den = self._denominator(batch)
         if global_den <= 0:
             return {"skipped": 1.0}
         total = None
         sums: dict[str, float] = {}
         flops = 0.0
         for b in batch:  # one micro-batch per sequence; gradients add up to the whole-batch gradient
-            hidden = self.student.block_hidden(b)  # (N, K, H)
-            mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
-            inputs: FullInputs | TopkInputs
-            if self.spec.estimator == "topk":
-                if b.teacher_topk_ids is None or b.teacher_topk_logprobs is None:
-                    raise ValueError("loss.estimator=topk needs the replay's topk payload")
-                inputs = TopkInputs(
-                    student_logits=hidden[mask] @ self.student.lm_head.T,
-                    teacher_ids=b.teacher_topk_ids[mask],
-                    teacher_logprobs=b.teacher_topk_logprobs[mask],
-                )
-            else:
-                if b.teacher_logprobs is None:
-                    raise ValueError(f"loss.estimator={self.spec.estimator} needs the replay's full payload")
-                inputs = FullInputs(
-                    hidden=hidden[mask],
-                    lm_head=self.student.lm_head,
-                    teacher_logits=b.teacher_logprobs[mask],
-                )
-            terms = objective_terms(inputs, b.accepted, b.valid_len, K, self.spec)
+            terms = self._terms(b)
             flops += self.student.flops(b)
             part = terms.numerator / global_den
             total = part if total is None else total + part
@@ -162,7 +211,7 @@ class Learner:
         self.engine.step()
         return {
             "loss": float(total.detach()),
-            "anchors": float(len(acc)),
+            "anchors": float(sum(len(b.anchor_pos) for b in batch)),
             "denominator": global_den,
             "flops_draft_step": flops,
             **sums,

@@ -24,6 +24,7 @@ from draft_opd_ray.algo.anchors import select_anchors
 from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
 from draft_opd_ray.config.schema import Config, LossConfig
+from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.opd.batch import ReplayItem
@@ -97,9 +98,11 @@ def start_actors(
             aux_layer_ids=feature_ids,
             draft_ids=draft_ids,
             k=cfg.draft.num_speculative_tokens,
+            dtype=resolve_dtype(cfg.teacher.dtype),
             num_threads=1 if cpu else None,
-            payload="topk" if cfg.loss.estimator == "topk" else "full",
-            topk=cfg.replay.topk,
+            payload="topk" if cfg.teacher.topk is not None else "full",
+            topk=cfg.teacher.topk or 1,
+            teacher=cfg.loss.objective == "opd",
             mode=cfg.replay.mode,
             draft_kind=cfg.draft.kind,
             draft_dir=draft_dir,
@@ -114,6 +117,7 @@ def start_actors(
             target,
             kind=cfg.draft.kind,
             spec=loss_spec(cfg.loss),
+            objective=cfg.loss.objective,
             lr=o.lr,
             betas=o.betas,
             weight_decay=o.weight_decay,
@@ -122,6 +126,8 @@ def start_actors(
             total_steps=total_steps,
             zero_stage=cfg.learner.zero_stage,
             grad_clip=o.grad_clip,
+            dtype=resolve_dtype(cfg.learner.dtype),
+            train_lm_head=cfg.draft.train_lm_head,
             num_threads=1 if cpu else None,
             backend=cfg.learner.backend,
         )
@@ -129,7 +135,24 @@ def start_actors(
     return {"workers": workers, "replay": replay, "learner": learner, "pg": pg}
 
 
+def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem]:
+    """`loss.objective=sft_on_rollouts`: every response position of every rollout as an anchor whose block is the
+    committed continuation itself (all of it "accepted"), so the learner's cross-entropy is on committed tokens
+    with the SFT arm's training-time-test states, and no drafted block is scored."""
+    items = []
+    for r in records:
+        seq = r.prompt_ids + r.response_ids
+        starts = range(len(r.prompt_ids) - 1, len(seq) - 1)  # the first response token is predicted too
+        blocks = [seq[n + 1 : n + 1 + k] for n in starts]
+        items.append(
+            ReplayItem(seq, list(starts), blocks, [len(b) for b in blocks], max(0, min(r.policy_version)))
+        )
+    return items
+
+
 def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> list[ReplayItem]:
+    if cfg.loss.objective == "sft_on_rollouts":
+        return committed_items(records, cfg.draft.num_speculative_tokens)
     a = cfg.anchor
     anchors = select_anchors(
         records,
@@ -316,7 +339,9 @@ def run_opd(
         out = ray.get(learner.step.remote(teacher, cfg.learner.mini_batches))
         t3 = time.time()
         flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
-        flops["flops_target"] += sum(target_forward_flops(info, 1, scored_tokens(t)) for t in teacher)
+        flops["flops_target"] += sum(
+            target_forward_flops(info, 1, scored_tokens(t)) for t in teacher if _target_ran(t)
+        )
         flops["flops_rollout"] += sum(
             rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
         )
@@ -379,6 +404,11 @@ def plot_tau(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "opd_tau.png", dpi=100)
     plt.close(fig)
+
+
+def _target_ran(t: Any) -> bool:
+    """Whether the replay ran the target for this sequence (not for a standalone draft's sft_on_rollouts)."""
+    return t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
 
 
 def _agreement(teacher: Sequence[Any]) -> float:

@@ -40,6 +40,7 @@ class ReplayActor:
         num_threads: int | None = None,
         payload: str = "full",
         topk: int = 32,
+        teacher: bool = True,
         mode: str = "recorded",
         draft_kind: str | None = None,
         draft_dir: str | None = None,
@@ -47,12 +48,13 @@ class ReplayActor:
         """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
         "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk).
         mode "redraft" needs the draft (``draft_kind``, ``draft_dir``) and takes its later versions through
-        ``load_draft_weights_file`` / ``load_draft_weights``."""
+        ``load_draft_weights_file`` / ``load_draft_weights``. ``teacher=False`` (`loss.objective=sft_on_rollouts`)
+        ships only the target features: no teacher distribution is computed."""
         if payload not in ("full", "topk"):
             raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
         if mode not in ("recorded", "redraft"):
             raise ValueError(f"mode must be 'recorded' or 'redraft', got {mode!r}")
-        self.payload, self.topk, self.mode = payload, topk, mode
+        self.payload, self.topk, self.mode, self.teacher = payload, topk, mode, teacher
         self.student = None
         self.draft_version = 0
         if mode == "redraft":
@@ -127,7 +129,26 @@ class ReplayActor:
             logits = logits[..., self.draft_ids]
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def _features_only(self, it: ReplayItem) -> TeacherItem:
+        """The target features of the committed sequence, no teacher (blocks on the committed stream only)."""
+        ids = torch.tensor(it.input_ids)
+        T, N, K = len(ids), len(it.anchor_pos), self.k
+        feats = torch.zeros(T, 0)
+        if self.aux:
+            out = self.model(ids[None], output_hidden_states=True, use_cache=False)
+            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
+        drafted = torch.zeros(N, K, dtype=torch.long)
+        for j, y in enumerate(it.drafted):
+            drafted[j, : min(len(y), K)] = torch.tensor(y[:K], dtype=torch.long)
+        valid = torch.tensor([min(len(y), K) for y in it.drafted], dtype=torch.long)
+        acc = torch.minimum(torch.tensor(it.accepted, dtype=torch.long), valid)
+        return TeacherItem(
+            ids, feats, torch.tensor(it.anchor_pos), drafted, valid, acc, acc, None, it.policy_version
+        )
+
     def _score_one(self, it: ReplayItem) -> TeacherItem:
+        if not self.teacher:
+            return self._features_only(it)
         T, N, K = len(it.input_ids), len(it.anchor_pos), self.k
         packed = pack_branches(it, K)
         out = self.model(

@@ -99,8 +99,9 @@ class Eagle3Student(_Student):
         return self.model.lm_head.weight  # type: ignore[no-any-return]
 
     def block_hidden(self, b: TeacherItem) -> torch.Tensor:
+        feats = b.features.to(self.model.fc.weight.dtype)  # the learner's precision (learner.dtype)
         return self.model.block_hidden(  # type: ignore[no-any-return]
-            b.input_ids[None], b.features[None], b.anchor_pos[None], b.drafted[None]
+            b.input_ids[None], feats[None], b.anchor_pos[None], b.drafted[None]
         )[0]
 
     def greedy_blocks(
@@ -216,7 +217,8 @@ class DFlashStudent(_Student):
         bs, K = self.model.config.block_size, b.drafted.shape[1]
         if bs <= K:
             raise ValueError(f"a DFlash block of {bs} drafts {bs - 1} tokens, fewer than K={K}")
-        h = self.model(b.input_ids[None], b.features[None], b.anchor_pos[None])[0]  # (N, bs, H)
+        feats = b.features.to(self.lm_head.dtype)  # the learner's precision (learner.dtype)
+        h = self.model(b.input_ids[None], feats[None], b.anchor_pos[None])[0]  # (N, bs, H)
         return h[:, 1 : K + 1]  # type: ignore[no-any-return]
 
     def greedy_blocks(

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draft_opd_ray.device import fast_bfloat16
+from draft_opd_ray.device import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ class SeqFeatures:
     top1: torch.Tensor  # (T,) int64 target ids
 
 
-def forward_dtype() -> torch.dtype:
-    """Precision of the teacher-forced target forward: bfloat16 where it is fast, float32 elsewhere."""
-    return torch.bfloat16 if fast_bfloat16() else torch.float32
+def forward_dtype(name: str = "auto") -> torch.dtype:
+    """Precision of the teacher-forced target forward (`teacher.dtype`; auto: bfloat16 where it is fast)."""
+    return getattr(torch, resolve_dtype(name))  # type: ignore[no-any-return]
 
 
 def load_hf_target(target: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Any:
@@ -157,12 +157,18 @@ class FeatureCache:
 
     @staticmethod
     def key(
-        traj_path: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor, topk: int, dtype: str
+        traj_path: Path,
+        aux_layer_ids: Sequence[int],
+        draft_ids: torch.Tensor,
+        topk: int,
+        dtype: str,
+        forward: torch.dtype | None = None,
     ) -> str:
         h = hashlib.sha256(traj_path.read_bytes())
         h.update(f"{list(aux_layer_ids)}:{topk}:{dtype}".encode())
-        if str(forward_dtype()).removeprefix("torch.") != dtype:  # the forward's precision, where it differs
-            h.update(f":forward={forward_dtype()}".encode())
+        fwd = forward or forward_dtype()
+        if str(fwd).removeprefix("torch.") != dtype:  # the forward's precision, where it differs
+            h.update(f":forward={fwd}".encode())
         h.update(draft_ids.numpy().tobytes())
         return h.hexdigest()[:20]
 
@@ -178,13 +184,15 @@ class FeatureCache:
         *,
         topk: int = 16,
         dtype: torch.dtype = torch.bfloat16,
+        forward: torch.dtype | None = None,
         batch_tokens: int = 4096,
     ) -> FeatureCache:
-        """Compute (or reuse) the cache file ``path``; writes it atomically."""
+        """Compute (or reuse) the cache file ``path``; writes it atomically. ``forward``: the target's precision
+        (default: `forward_dtype()`), ``dtype``: the stored features'."""
         if not path.is_file():
             from safetensors.torch import save_file
 
-            model = load_hf_target(target)
+            model = load_hf_target(target, forward)
             n = len(seqs)
             offsets = [0]
             for s in seqs:
@@ -239,8 +247,9 @@ class OnTheFlyFeatures:
         aux_layer_ids: Sequence[int],
         draft_ids: torch.Tensor,
         topk: int = 16,
+        forward: torch.dtype | None = None,
     ) -> None:
-        self.model = load_hf_target(target)
+        self.model = load_hf_target(target, forward)
         self.seqs, self.prompt_lens = [list(s) for s in seqs], list(prompt_lens)
         self.aux, self.draft_ids, self.topk = list(aux_layer_ids), draft_ids, topk
 

@@ -12,8 +12,9 @@ A recipe is the draft to train plus what the shared loop needs from it (the `rec
 The cached features and top-k labels come from one target forward per trajectory (`sft/features.py`); the
 recipe names which hidden states and which vocabulary. `save` writes the folder vLLM serves. The EAGLE-3 TTT
 loss runs only from the rows that are scored (response rows and the few prompt rows just before them): the same
-computation as Draft-OPD's student side, teacher-forced on the sequence's own tokens. The EAGLE-3 LM head stays
-frozen (the target's rows of the draft vocabulary).
+computation as Draft-OPD's student side, teacher-forced on the sequence's own tokens. Which weights train is
+`optim.trainable_parameters`, shared with the Draft-OPD learner (the EAGLE-3 LM head only with
+`draft.train_lm_head`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,6 @@ def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: Recip
             init_from_target(head, target)
         elif src.init != "random":
             raise ValueError(f"init must be 'target' or 'random', got {src.init!r}")
-    head.lm_head.weight.requires_grad_(False)
     return Recipe(
         "eagle3",
         head,

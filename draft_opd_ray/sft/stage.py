@@ -22,9 +22,9 @@ from draft_opd_ray.distributed import release_process_group
 def _sft_key(cfg: Config) -> dict[str, Any]:
     """The SFT settings that change the trained draft (not reuse or extra exports; dataset_answers once set)."""
     d = dataclasses.asdict(cfg.sft)
-    for k in ("reuse", "curve_minutes"):
+    for k in ("reuse", "curve_tokens"):
         d.pop(k)
-    for k in ("start_from", "max_flops"):
+    for k in ("start_from", "max_flops", "time_budget_min"):
         if d[k] is None:
             d.pop(k)
     if not d["dataset_answers"]:
@@ -44,6 +44,7 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
                 _sft_key(cfg),
                 dataclasses.asdict(cfg.draft),
                 dataclasses.asdict(cfg.optim),
+                dataclasses.asdict(cfg.teacher),
                 resolve_dtype(cfg.learner.dtype),
                 cfg.seed,
             ],
@@ -129,6 +130,7 @@ def run_sft_stage(
         draft=cfg.draft,
         optim=cfg.optim,
         learner=cfg.learner,
+        teacher=cfg.teacher,
         cache_dir=cache,
         resume=cfg.resume,
         seed=cfg.seed,

@@ -1,8 +1,9 @@
 """The SFT loop for any draft kind (its recipe: `sft/recipes.py`) through a DeepSpeed engine.
 
 Reads top to bottom: ``run_sft`` = set up (the recipe's draft, the feature source, the engine, resume) -> train
-(AdamW, warm-up + cosine; stops at the first of: ``sft.epochs`` passes, ``sft.max_flops`` training FLOPs,
-``sft.time_budget_min`` minutes of features + training) -> export checkpoints.
+(AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first of: ``sft.train_tokens``,
+``sft.epochs`` passes, ``sft.max_flops`` training FLOPs, the optional ``sft.time_budget_min`` wall-clock cap on
+features + training) -> export checkpoints (at ``sft.curve_tokens`` and at the end).
 
 Checkpoints (`draft_opd_ray.checkpoint`): ``<run_dir>/checkpoints/sft/step_<n>/`` holds ``draft/`` (the folder
 vLLM serves), ``deepspeed/`` (engine + optimizer state) and ``training_state.pt`` (step, elapsed time, data
@@ -28,13 +29,20 @@ import torch
 from tqdm import tqdm
 
 from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
-from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
+from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import init_process_group
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.models.target import read_target_info
+from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
-from draft_opd_ray.sft.features import FeatureCache, OnTheFlyFeatures, SeqFeatures, length_batches
+from draft_opd_ray.sft.features import (
+    FeatureCache,
+    OnTheFlyFeatures,
+    SeqFeatures,
+    forward_dtype,
+    length_batches,
+)
 from draft_opd_ray.sft.recipes import Recipe, build_recipe
 
 log = logging.getLogger(__name__)
@@ -76,24 +84,13 @@ def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch
 # --------------------------------------------------------------------------------------------------
 
 
-def lr_factor(progress: float, warmup: float, schedule: str, floor: float = 0.1) -> float:
-    """Warm-up then cosine to ``floor`` x peak (or constant), as a function of training progress in [0, 1]."""
-    if warmup > 0 and progress < warmup:
-        return max(progress / warmup, 1e-3)
-    if schedule == "constant":
-        return 1.0
-    x = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x))
-
-
-def schedule_progress(
-    step: int, total_steps: int, used_s: float, budget_s: float, train_start_s: float
-) -> float:
-    """Where the lr schedule is, in [0, 1]: the larger of the step fraction and the fraction of the *training*
-    part of the time budget used (the budget seconds the feature cache took before training are not the
-    schedule's: a cold run whose cache took 28% of the budget would otherwise skip its warm-up)."""
-    train_frac = (used_s - train_start_s) / max(1e-9, budget_s - train_start_s)
-    return min(1.0, max(step / max(1, total_steps), train_frac))
+def schedule_progress(step: int, total_steps: int, tokens: int, train_tokens: int | None) -> float:
+    """Where the lr schedule is, in [0, 1]: the larger of the step fraction (of ``sft.epochs``) and the
+    trained-token fraction of the budget. Never the wall clock, so a run is the same on any machine."""
+    frac = step / max(1, total_steps)
+    if train_tokens:
+        frac = max(frac, tokens / train_tokens)
+    return min(1.0, frac)
 
 
 @dataclass
@@ -148,14 +145,17 @@ def _feature_source(
     plens: Sequence[int],
     *,
     mode: str,
-    topk: int,
+    teacher: TeacherConfig,
     dtype_name: str,
     cache_dir: str | os.PathLike[str],
 ) -> FeatureCache | OnTheFlyFeatures:
-    """Target features + top-k soft labels: built once and cached (``cache``) or computed per batch."""
+    """Target features + the teacher's top-k soft labels (`teacher.topk`, null = the whole label vocabulary),
+    the target run in `teacher.dtype`: built once and cached (``cache``) or computed per batch."""
     aux, draft_ids = recipe.feature_ids, recipe.label_ids
+    topk = teacher.topk or len(draft_ids)
+    forward = forward_dtype(teacher.dtype)
     if mode == "cache":
-        key = FeatureCache.key(trajectories, aux, draft_ids, topk, dtype_name)
+        key = FeatureCache.key(trajectories, aux, draft_ids, topk, dtype_name, forward)
         return FeatureCache.build(
             target,
             seqs,
@@ -165,34 +165,33 @@ def _feature_source(
             draft_ids,
             topk=topk,
             dtype=_DTYPES[dtype_name],
+            forward=forward,
         )
     if mode == "on_the_fly":
-        return OnTheFlyFeatures(target, seqs, plens, aux, draft_ids, topk)
+        return OnTheFlyFeatures(target, seqs, plens, aux, draft_ids, topk, forward)
     raise ValueError(f"feature_mode must be 'cache' or 'on_the_fly', got {mode!r}")
 
 
 def _engine(
-    model: torch.nn.Module, sft: SFTConfig, optim: OptimConfig, learner: LearnerConfig
+    model: torch.nn.Module,
+    kind: str,
+    draft: DraftConfig,
+    sft: SFTConfig,
+    optim: OptimConfig,
+    learner: LearnerConfig,
 ) -> tuple[Any, Any]:
-    """DeepSpeed engine (ZeRO stage and precision from ``learner``) over the trainable parameters; AdamW."""
-    import deepspeed
-
+    """DeepSpeed engine (ZeRO stage and precision from ``learner``) over the weights both arms train; AdamW."""
     init_process_group(learner.backend)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=sft.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay
+    engine, opt, _ = build_engine(
+        model,
+        trainable_parameters(model, kind, draft.train_lm_head),
+        lr=sft.lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+        zero_stage=learner.zero_stage,
+        dtype=resolve_dtype(learner.dtype),
+        grad_clip=optim.grad_clip,
     )
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": optim.grad_clip,
-        "zero_optimization": {"stage": learner.zero_stage},
-        "bf16": {"enabled": resolve_dtype(learner.dtype) == "bfloat16"},
-        "fp16": {"enabled": learner.dtype == "float16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     return engine, opt
 
 
@@ -208,7 +207,7 @@ def run_sft(
     cache_dir: str | os.PathLike[str],
     init: str = "target",
     feature_mode: str = "cache",
-    topk: int = 16,
+    teacher: TeacherConfig | None = None,
     max_seq_len: int = 1024,
     max_steps: int | None = None,
     resume: bool = False,
@@ -218,10 +217,11 @@ def run_sft(
 ) -> Path:
     """Train ``draft.kind``'s recipe on target trajectories; returns the final vLLM-loadable draft folder.
 
-    Uses sft.{epochs, batch_tokens, lr, time_budget_min, curve_minutes, start_from, max_flops}, the draft's
-    sizing, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage, dtype,
-    backend}. ``sft.curve_minutes``: extra exports at these budget minutes (a tau-vs-time curve); the last one is
-    at the end. ``max_steps`` caps steps (tests). The budget clock covers feature building and training.
+    Uses sft.{train_tokens, epochs, batch_tokens, lr, time_budget_min, curve_tokens, start_from, max_flops},
+    the draft's sizing, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage,
+    dtype, backend}. ``sft.curve_tokens``: extra exports at these trained-token counts (a tau-vs-compute curve);
+    the last one is at the end. ``max_steps`` caps steps (tests). The optional wall-clock cap covers feature
+    building and training.
     ``sft.start_from``: continue from an exported draft (its weights and vocabulary; fresh optimizer) instead of
     a new one; then the target forward of every batch is charged as if its features were computed on the fly
     (the matched-FLOPs baseline, P1). ``sft.max_flops``: stop once draft + target FLOPs reach it.
@@ -245,12 +245,12 @@ def run_sft(
         seqs,
         plens,
         mode=feature_mode,
-        topk=topk,
+        teacher=teacher or TeacherConfig(),
         dtype_name=resolve_dtype(learner.dtype),
         cache_dir=cache_dir,
     )
     feature_s = time.monotonic() - t0
-    engine, opt = _engine(recipe.model, sft, optim, learner)
+    engine, opt = _engine(recipe.model, recipe.kind, draft, sft, optim, learner)
 
     state = TrainState()
     last = latest_checkpoint(root, "training_state.pt") if resume else None
@@ -315,17 +315,25 @@ def _train(
     charge_target: bool,
     progress: bool,
 ) -> Path:
-    """The steps from ``state`` on until a budget ends; checkpoints at ``sft.curve_minutes`` and at the end."""
-    budget_s = sft.time_budget_min * 60
+    """The steps from ``state`` on until a budget ends; checkpoints at ``sft.curve_tokens`` and at the end."""
+    budget_s = math.inf if sft.time_budget_min is None else sft.time_budget_min * 60
     dtype = _DTYPES[resolve_dtype(learner.dtype)]
     start_used, wall0 = state.budget_s_used, time.monotonic()
-    pending = sorted(m * 60 for m in sft.curve_minutes if m * 60 > state.budget_s_used)
+    pending = sorted(t for t in sft.curve_tokens if t > state.tokens)
     lengths = [source.length(i) for i in range(len(source))]
     steps_per_epoch = len(length_batches(lengths, sft.batch_tokens, seed))
     total_steps = (
         steps_per_epoch * sft.epochs if max_steps is None else min(max_steps, steps_per_epoch * sft.epochs)
     )
-    bar = tqdm(total=total_steps, initial=state.step, desc="sft", disable=not progress)
+    by_tokens = sft.train_tokens is not None
+    bar = tqdm(
+        total=sft.train_tokens if by_tokens else total_steps,
+        initial=state.tokens if by_tokens else state.step,
+        desc="sft",
+        unit="tok" if by_tokens else "step",
+        unit_scale=by_tokens,
+        disable=not progress,
+    )
     final: Path | None = None
     while state.epoch < sft.epochs:
         batches = length_batches(lengths, sft.batch_tokens, seed + state.epoch)
@@ -335,7 +343,9 @@ def _train(
                 break
             if sft.max_flops is not None and state.flops_draft + state.flops_target >= sft.max_flops:
                 break
-            progress_frac = schedule_progress(state.step, total_steps, used, budget_s, state.train_start_s)
+            if sft.train_tokens is not None and state.tokens >= sft.train_tokens:
+                break
+            progress_frac = schedule_progress(state.step, total_steps, state.tokens, sft.train_tokens)
             lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -369,14 +379,15 @@ def _train(
             rec |= {"epoch": state.epoch, "budget_min": state.budget_s_used / 60}
             rec |= {"flops_draft": state.flops_draft, "flops_target": state.flops_target}
             emit(rec)
-            bar.update(1)
+            bar.update(ntok if by_tokens else 1)
             bar.set_postfix(
+                step=state.step,
                 loss=f"{float(loss.detach()):.3f}",
                 acc=f"{m.get('acc_0', m.get('acc_1', 0)):.2f}",
                 tok_s=f"{ntok / dt:.0f}",
             )
-            if pending and state.budget_s_used >= pending[0]:
-                pending = [p for p in pending if p > state.budget_s_used]
+            if pending and state.tokens >= pending[0]:
+                pending = [p for p in pending if p > state.tokens]
                 final = save_checkpoint(engine, state, root, target, recipe)
         else:
             state.epoch += 1

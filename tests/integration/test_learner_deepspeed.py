@@ -16,12 +16,10 @@ from draft_opd_ray.opd.loop import loss_spec
 pytestmark = pytest.mark.deepspeed
 
 
-def _learner(draft: Path, target: Path, kind: str = "eagle3", estimator: str = "full") -> Any:
+def _learner(draft: Path, target: Path, kind: str = "eagle3", estimator: str = "full", **kwargs: Any) -> Any:
     from draft_opd_ray.opd.learner import Learner
 
-    return Learner(
-        str(draft),
-        str(target),
+    settings: dict[str, Any] = dict(
         kind=kind,
         spec=loss_spec(LossConfig(estimator=estimator)),
         lr=3e-3,
@@ -33,6 +31,7 @@ def _learner(draft: Path, target: Path, kind: str = "eagle3", estimator: str = "
         zero_stage=0,
         grad_clip=1.0,
     )
+    return Learner(str(draft), str(target), **(settings | kwargs))
 
 
 def _steps(learner: Any, batch: list, n: int = 4) -> list[float]:
@@ -80,3 +79,44 @@ def test_learner_trains_and_exports_other_kinds(replay_case, tmp_path: Path, kin
     after = learner.rollout_state()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(reloaded[k], trained[k]) for k in before)  # every published weight, as trained
+
+
+def test_learner_trains_with_the_token_estimator(replay_case) -> None:
+    """loss.estimator=token (single-token estimators on the committed and drafted ids) on the full payload."""
+    c = replay_case
+    batch = c.replay("eagle3", c.eagle3).score([c.item])
+    _steps(_learner(c.eagle3, c.target, estimator="token"), batch)
+
+
+def test_learner_honours_bfloat16(replay_case) -> None:
+    """learner.dtype=bfloat16: the engine's module computes in bfloat16 and still learns."""
+    c = replay_case
+    batch = c.replay("eagle3", c.eagle3).score([c.item])
+    learner = _learner(c.eagle3, c.target, dtype="bfloat16", lr=1e-2)
+    assert {p.dtype for p in learner.engine.module.parameters()} == {torch.bfloat16}
+    _steps(learner, batch)
+    assert all(v.dtype == torch.bfloat16 for v in learner.rollout_state().values() if v.is_floating_point())
+
+
+def test_sft_on_rollouts_is_cross_entropy_on_committed_tokens_without_teacher(replay_case) -> None:
+    """loss.objective=sft_on_rollouts: the replay ships features only (no teacher distribution) and the learner's
+    loss is the mean cross-entropy of the student's block positions against the committed tokens."""
+    from draft_opd_ray.opd.batch import committed_blocks
+    from draft_opd_ray.opd.loop import committed_items
+    from draft_opd_ray.rollout.records import RequestRecord
+
+    c = replay_case
+    prompt_len = 6
+    rec = RequestRecord(c.item.input_ids[:prompt_len], c.item.input_ids[prompt_len:], policy_version=[0])
+    items = committed_items([rec], c.k)
+    (t,) = c.replay("eagle3", c.eagle3, teacher=False).score(items)
+    assert t.teacher_logprobs is None and t.teacher_topk_ids is None and t.features.shape[1] > 0
+    learner = _learner(c.eagle3, c.target, objective="sft_on_rollouts")
+    with torch.no_grad():
+        hidden = learner.student.block_hidden(t)
+        labels = learner._student_ids(committed_blocks(t))
+        keep = labels >= 0
+        want = torch.nn.functional.cross_entropy(hidden[keep] @ learner.student.lm_head.T, labels[keep])
+    out = learner.step([t])
+    assert out["loss"] == pytest.approx(float(want), rel=1e-5)
+    _steps(learner, [t])

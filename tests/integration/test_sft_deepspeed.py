@@ -26,7 +26,7 @@ def _run(
         target,
         traj,
         run_dir,
-        sft=SFTConfig(epochs=50, batch_tokens=4096, lr=3e-3, time_budget_min=5),
+        sft=SFTConfig(epochs=50, train_tokens=None, batch_tokens=4096, lr=3e-3, time_budget_min=5),
         draft=draft,
         optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
         learner=LearnerConfig(zero_stage=0, dtype="float32"),

@@ -47,5 +47,22 @@ def test_budgets(records) -> None:
     per_seq = select_anchors(records, policy="all", max_per_sequence=3, max_per_step=10**6)
     assert all(sum(1 for a in per_seq if a.request == q) == 3 for q in range(len(records)))
     capped = select_anchors(records, policy="all", max_per_sequence=3, max_per_step=7)
-    assert len(capped) == 7 and set(capped) <= set(per_seq)
+    # the step cap keeps whole sequences (2 of 3 anchors each fit in 7), never part of one
+    assert len(capped) == 6 and set(capped) <= set(per_seq)
+    assert all(sum(1 for a in capped if a.request == q) in (0, 3) for q in range(len(records)))
     assert capped == sorted(capped, key=lambda a: (a.request, a.pos))
+
+
+def test_defaults_drop_no_anchor() -> None:
+    """The configured defaults keep every error anchor of a step of long rollouts (32 requests x 256 tokens, K
+    = 4, tau ~ 1.8: ~150 error anchors each), so no replay forward is paid for anchors that are then dropped."""
+    from draft_opd_ray.config.schema import AnchorConfig
+
+    rng = random.Random(1)
+    recs = [synth(rng, k=4, steps=150) for _ in range(32)]
+    a = AnchorConfig()
+    got = select_anchors(
+        recs, policy="error", max_per_sequence=a.max_per_sequence, max_per_step=a.max_per_step
+    )
+    want = sum(1 for r in recs for acc, d in zip(r.accepted, r.drafted) if acc < len(d))
+    assert len(got) == want > 32 * 64

@@ -26,7 +26,7 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     cfg = compose()
     assert cfg.loss.gamma == 0.8 and cfg.loss.lambda_acc == 1.0 and cfg.loss.lambda_rej == 1.0
     assert cfg.loss.rejected_scope == "all" and cfg.anchor.policy == "error"
-    assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_ratio == 0.05
+    assert cfg.optim.lr == 1e-4 and cfg.optim.warmup_ratio == 0.05  # OPD continues at the end of SFT
     assert cfg.rollout.temperature == 0.0
     assert cfg.draft.kind == "eagle3" and cfg.draft.num_speculative_tokens == 4
     assert cfg.stages == ["sft", "opd", "eval"]
@@ -35,7 +35,7 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     assert cfg.draft.draft_vocab_size == 8192 and cfg.draft.ttt_steps == 4
     assert cfg.data.train.max_prompts == 2560 and cfg.sft.num_prompts == 1536
     assert cfg.sft.trajectory_dtype == "auto" and cfg.sft.batch_tokens == 512  # auto: bfloat16 where fast
-    assert cfg.sft.time_budget_min == 33
+    assert cfg.sft.train_tokens == 1_250_000 and cfg.sft.time_budget_min is None  # tokens; minutes a cap
 
 
 def test_defaults_are_written_once() -> None:
@@ -87,7 +87,8 @@ BAD = [
     (["draft=dflash", "draft.num_speculative_tokens=4"], 2, "DFlash proposes block_size - 1 = 7"),
     (["anchor.policy=best"], 2, "anchor.policy: must be one of ['error', 'all', 'random'], got 'best'"),
     (["loss.estimator=exact"], 2, "loss.estimator: must be one of"),
-    (["loss.estimator=token"], 2, "loss.estimator: the opd stage ships full or top-k"),
+    (["loss.estimator=token"], 2, "loss.estimator: token with teacher.topk=16"),
+    (["loss.estimator=topk", "teacher.topk=null"], 2, "the topk estimator needs a teacher top-k"),
     (["anchor.policy=random"], 2, "anchor.policy: random anchors fall between recorded blocks"),
     (["draft=dflash", "stages=[opd]"], 2, "draft.path: the opd stage post-trains an existing dflash draft"),
     (["learner.zero_stage=4"], 2, "learner.zero_stage: must be 0, 1, 2 or 3, got 4"),

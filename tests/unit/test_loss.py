@@ -311,7 +311,7 @@ def test_loss_cap_counts_and_gradients() -> None:
     use_f, use_r = sets.forward_set[sets.valid], sets.rejected[sets.valid]
     expected = int(((fw > cap) & use_f).sum() + ((rv > cap) & use_r).sum())
     assert terms.metrics["n_clamped"] == expected > 0
-    # capped terms pass no gradient: compare with naive autograd through torch.clamp
+    # capped terms pass a gradient scaled by cap / KL: compare with naive autograd of kl * min(1, cap / kl)
     terms.numerator.backward()
     h2 = hidden.clone().requires_grad_()
     lq, lp = torch.log_softmax(h2 @ weight.T, -1), torch.log_softmax(teacher, -1)
@@ -320,9 +320,44 @@ def test_loss_cap_counts_and_gradients() -> None:
         [0.8 ** (k - 1) for a, kv in zip(accepted.tolist(), valid_len.tolist()) for k in range(1, kv + 1)],
         dtype=F64,
     )
-    naive = (use_f * nf.clamp(max=cap)).sum() + (use_r * w_rej * nr.clamp(max=cap)).sum()
+
+    def cap_(x: torch.Tensor) -> torch.Tensor:
+        return x * (cap / x.detach()).clamp(max=1.0)
+
+    naive = (use_f * cap_(nf)).sum() + (use_r * w_rej * cap_(nr)).sum()
     naive.backward()
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["full", "topk", "token"])
+def test_confident_mistake_gets_a_gradient(estimator: str) -> None:
+    """The draft puts q(y) = 0.95 on a token the teacher gives p(y) = 1e-7 (RKL ~ 15.3 > the cap of 10): the
+    rejected position must still push q(y) down, under every estimator."""
+    V, y = 8, 3
+    lq = torch.full((V,), math.log(0.05 / (V - 1)), dtype=F64)
+    lq[y] = math.log(0.95)
+    lp = torch.full((V,), math.log((1 - 1e-7) / (V - 1)), dtype=F64)
+    lp[y] = math.log(1e-7)
+    rkl = float((lq.exp() * (lq - lp)).sum())
+    assert rkl > 15.0  # above the cap
+    accepted, valid_len = torch.tensor([0]), torch.tensor([1])  # one block of one token, rejected: k = a + 1
+    sp = spec(estimator=estimator, clamp=10.0, directions="reverse")
+    hidden = torch.eye(V, dtype=F64)[:1] * 0 + lq[None]  # (1, V): logits = hidden @ I
+    hidden.requires_grad_()
+    inputs: FullInputs | TopkInputs | TokenInputs
+    if estimator == "full":
+        inputs = FullInputs(hidden, torch.eye(V, dtype=F64), lp[None])
+    elif estimator == "topk":
+        ids = lp.topk(4).indices[None]  # the teacher's top 4 do not include y
+        inputs = TopkInputs(hidden, ids, lp[None].gather(-1, ids))
+    else:
+        c = torch.tensor([int(lp.argmax())])
+        inputs = TokenInputs(hidden, c, torch.tensor([y]), lp[c], lp[torch.tensor([y])])
+    terms = objective_terms(inputs, accepted, valid_len, 1, sp)
+    assert terms.metrics["loss"] <= 10.0 + 1e-9  # the value is capped
+    terms.numerator.backward()
+    assert hidden.grad is not None
+    assert hidden.grad[0, y] > 1e-3  # descent lowers the drafted token's logit
 
 
 @pytest.mark.parametrize("estimator", ["full", "topk", "token"])

@@ -132,3 +132,47 @@ def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
             assert max(loads) <= sum(sizes) / len(groups) + max(sizes), loads
     with pytest.raises(ValueError, match="mini_batches"):
         split_mini_batches(batch, 0)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# sft_on_rollouts: committed blocks, no drafted ones
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sft_on_rollouts_items_are_the_committed_continuations() -> None:
+    from draft_opd_ray.opd.loop import committed_items
+
+    rec = synth(random.Random(3), k=4, steps=5)
+    c = dataclasses.replace(Config(), loss=LossConfig(objective="sft_on_rollouts"))
+    (it,) = replay_items([rec], c, seed=0)
+    assert it == committed_items([rec], 4)[0]
+    seq = rec.prompt_ids + rec.response_ids
+    p = len(rec.prompt_ids)
+    assert it.anchor_pos == list(range(p - 1, len(seq) - 1))  # every response token is a target
+    for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
+        assert y == seq[n + 1 : n + 5] and a == len(y)  # the block is the committed stream, all "accepted"
+
+
+def test_committed_blocks_by_brute_force() -> None:
+    import torch
+
+    from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
+
+    seq = list(range(100, 120))
+    anchors, acc, valid = [3, 10, 17, 18], [0, 2, 4, 1], [4, 4, 2, 1]
+    t = TeacherItem(
+        torch.tensor(seq),
+        torch.zeros(20, 0),
+        torch.tensor(anchors),
+        torch.zeros(4, 4, dtype=torch.long),
+        torch.tensor(valid),
+        torch.tensor(acc),
+        torch.tensor(acc),
+        None,
+        0,
+    )
+    got = committed_blocks(t).tolist()
+    for j, (n, a, v) in enumerate(zip(anchors, acc, valid)):
+        for k in range(1, 5):  # block position k: committed x_{n+k} while its context is the committed stream
+            want = seq[n + k] if k <= a + 1 and k <= v and n + k < len(seq) else -1
+            assert got[j][k - 1] == want, (j, k)

@@ -14,6 +14,7 @@ import torch
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.models.eagle3 import init_eagle3
 from draft_opd_ray.models.kinds import draft_kind
+from draft_opd_ray.optim import lr_factor
 from draft_opd_ray.sft.data import (
     Trajectory,
     _write,
@@ -29,7 +30,7 @@ from draft_opd_ray.sft.recipes import (
     ttt_anchors,
     ttt_topk_loss,
 )
-from draft_opd_ray.sft.trainer import collate, lr_factor
+from draft_opd_ray.sft.trainer import collate
 
 
 def test_trajectory_parquet_round_trip(trajectories: Path) -> None:
@@ -212,14 +213,15 @@ def test_draft_vocabulary_counts_response_tokens_only() -> None:
     assert counts.tolist() == [0, 0, 1, 2, 0, 1, 0, 1, 0]  # 3, 3, 5 and 2, 7
 
 
-def test_schedule_spans_the_training_part_of_the_budget() -> None:
+def test_schedule_counts_tokens_not_minutes() -> None:
     from draft_opd_ray.sft.trainer import schedule_progress
 
-    # 10 of 33 budget minutes went to the feature cache: training starts at progress 0, in the warm-up
-    assert schedule_progress(0, 1000, 600.0, 1980.0, 600.0) == 0.0
-    assert schedule_progress(0, 1000, 1290.0, 1980.0, 600.0) == pytest.approx(0.5)
-    assert schedule_progress(900, 1000, 700.0, 1980.0, 600.0) == pytest.approx(0.9)  # steps can lead
-    assert schedule_progress(10, 1000, 2100.0, 1980.0, 600.0) == 1.0
+    # the budget is trained tokens: the schedule depends on the data seen, never on the wall clock
+    assert schedule_progress(0, 1000, 0, 1_000_000) == 0.0
+    assert schedule_progress(10, 1000, 500_000, 1_000_000) == pytest.approx(0.5)
+    assert schedule_progress(900, 1000, 100_000, 1_000_000) == pytest.approx(0.9)  # epochs can lead
+    assert schedule_progress(10, 1000, 2_000_000, 1_000_000) == 1.0
+    assert schedule_progress(250, 1000, 123, None) == pytest.approx(0.25)  # no token budget: epochs
 
 
 def test_lr_schedule() -> None:
