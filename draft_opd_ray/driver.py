@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.config.schema import Config
+from draft_opd_ray.config.schema import Config, PromptSetConfig
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan
@@ -32,19 +32,35 @@ def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
     return str(target), AutoTokenizer.from_pretrained(target), info
 
 
-def load_prompts(cfg: Config, tokenizer: Any, which: str) -> list[list[int]]:
+def extra_eval_set(cfg: Config, name: str) -> PromptSetConfig:
+    """`eval.extra_sets` entries: humaneval, or validation = data.train's source on its held-out split."""
+    n = cfg.data.eval.max_prompts
+    if name == "humaneval":
+        return PromptSetConfig(source="humaneval", split="all", max_prompts=n)
+    return dataclasses.replace(cfg.data.train, split="eval", max_prompts=n)
+
+
+def eval_sets(cfg: Config) -> dict[str, PromptSetConfig]:
+    """The evaluation's prompt sets by report name: data.eval, then `eval.extra_sets`."""
+    sets = {cfg.data.eval.source: cfg.data.eval}
+    for name in cfg.eval.extra_sets:
+        sets.setdefault(name, extra_eval_set(cfg, name))
+    return sets
+
+
+def load_prompts(cfg: Config, tokenizer: Any, which: str | PromptSetConfig) -> list[list[int]]:
     from draft_opd_ray.data.prompts import load_prompt_set
 
-    sub = getattr(cfg.data, which)
+    sub = getattr(cfg.data, which) if isinstance(which, str) else which
     ps = load_prompt_set(
         sub,
         tokenizer,
         chat_template=cfg.data.chat_template,
         system_prompt=cfg.data.system_prompt,
-        key=f"data.{which}",
+        key=f"data.{which}" if isinstance(which, str) else f"eval set {sub.source}/{sub.split}",
     )
     print(
-        f"[data] {which}: {len(ps.prompts)} prompts from {ps.name} (skipped: {ps.skipped or 'none'})",
+        f"[data] {which if isinstance(which, str) else sub.split}: {len(ps.prompts)} prompts from {ps.name} (skipped: {ps.skipped or 'none'})",
         flush=True,
     )
     return [list(p.token_ids) for p in ps.prompts]
@@ -104,7 +120,7 @@ def eval_stage(
     target: str,
     draft: str | None,
     before: str | None,
-    held_out: list[list[int]],
+    held_out: dict[str, list[list[int]]],
     eos: int | None,
     run_dir: Path,
     metrics: MetricsLogger,
@@ -117,7 +133,7 @@ def eval_stage(
         draft_kind=cfg.draft.kind,
         draft_path=draft,
         k=cfg.draft.num_speculative_tokens,
-        datasets={cfg.data.eval.source: held_out},
+        datasets=held_out,
         out_dir=run_dir / "eval",
         max_new_tokens=cfg.eval.max_new_tokens,
         eos_token_id=eos,
@@ -145,7 +161,11 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     rd.mkdir(parents=True, exist_ok=True)
     target, tokenizer, info = prepare_target(cfg)
     train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
-    held_out = load_prompts(cfg, tokenizer, "eval") if "eval" in cfg.stages else []
+    held_out = (
+        {name: load_prompts(cfg, tokenizer, sub) for name, sub in eval_sets(cfg).items()}
+        if "eval" in cfg.stages
+        else {}
+    )
     metrics = MetricsLogger(
         rd,
         wandb_mode=cfg.wandb.mode,

@@ -376,13 +376,23 @@ class OPDConfig:
         _check(self.checkpoint_every >= 1, "opd.checkpoint_every", "must be >= 1")
 
 
+EXTRA_EVAL_SETS = ("humaneval", "validation")
+
+
 @dataclass
 class EvalConfig:
+    """Held-out evaluation: τ with 95% CIs and paired differences, speed-up beside vLLM's baselines."""
+
     max_new_tokens: int = 256
     concurrency: list[int] = field(default_factory=lambda: [1])
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
+    # prompt sets measured beside data.eval, data.eval.max_prompts of each: humaneval (code, packaged) and
+    # validation (data.train's source, its held-out hash split: prompts no training stage sees)
+    extra_sets: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for e in self.extra_sets:
+            _one_of(e, "eval.extra_sets", EXTRA_EVAL_SETS)
         _check(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
         _check(
             len(self.concurrency) >= 1 and all(c >= 1 for c in self.concurrency),

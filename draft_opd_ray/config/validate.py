@@ -54,7 +54,10 @@ def _check_data(cfg: Config) -> None:
     if "sft" in cfg.stages or "opd" in cfg.stages:
         check_prompt_source(cfg.data.train, key="data.train")
     if "eval" in cfg.stages:
-        check_prompt_source(cfg.data.eval, key="data.eval")
+        from draft_opd_ray.driver import eval_sets
+
+        for name, sub in eval_sets(cfg).items():
+            check_prompt_source(sub, key="data.eval" if sub is cfg.data.eval else f"eval.extra_sets ({name})")
 
 
 def _check_lengths(cfg: Config) -> None:

@@ -2,6 +2,10 @@
 per-position acceptance, and served speed-up over plain target decoding at each concurrency, with vLLM's
 `ngram` method measured beside it on the same prompts. Writes `eval/report.{json,md}` and plots.
 
+Every method's τ comes with its number of requests `n`, a 95% bootstrap CI over prompts (`tau_ci`) and the
+per-request counts (`per_prompt`, in prompt order) it was computed from. The draft's `paired` entry holds
+paired differences on the same prompts (`eval/stats.py`): after − before, and draft − each baseline.
+
 One vLLM engine at a time (this machine has 2 cores): draft, each baseline, then the plain target.
 """
 
@@ -13,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.eval.tau import measure
+from draft_opd_ray.errors import DataError
+from draft_opd_ray.eval.stats import paired_diff
+from draft_opd_ray.eval.tau import measure_all, tau_entry
 from draft_opd_ray.rollout.engine import BASELINES, Sampling, SpecDecodeEngine, speculative_config
-from draft_opd_ray.rollout.records import RequestRecord, acceptance_per_position
+from draft_opd_ray.rollout.records import acceptance_per_position
 
 
 def _tokens_per_second(
@@ -36,17 +42,18 @@ def _measure(
     k: int,
     concurrency: Sequence[int],
     speed_prompts: int,
-) -> tuple[dict[str, Any], list[RequestRecord]]:
-    stats, recs = measure(engine, prompts, sampling)
+) -> dict[str, Any]:
+    """τ entry, per-position acceptance and tokens/s at each concurrency of one method on one eval set."""
+    stats, recs = measure_all(engine, prompts, sampling)
+    ok = [r for r in recs if not r.error]
     out: dict[str, Any] = {
-        "tau": stats["tau"],
-        "tau_vllm": stats["tau_vllm"],
-        "acceptance_per_position": acceptance_per_position(recs, k) if any(r.num_steps for r in recs) else [],
+        **tau_entry(stats, recs),
+        "acceptance_per_position": acceptance_per_position(ok, k) if any(r.num_steps for r in ok) else [],
         "tokens_per_s": {
             c: _tokens_per_second(engine, prompts[:speed_prompts], sampling, c) for c in concurrency
         },
     }
-    return out, recs
+    return out
 
 
 def evaluate(
@@ -66,7 +73,9 @@ def evaluate(
     before: str | Path | None = None,
 ) -> dict[str, Any]:
     """``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
-    engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's."""
+    engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's.
+    Raises `DataError` before any engine starts when an eval set has no prompts."""
+    check_datasets(datasets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sampling = Sampling(
@@ -78,7 +87,7 @@ def evaluate(
         + [(BASELINES[0], None)]
     )
     results: dict[str, dict[str, Any]] = {name: {} for name in datasets}
-    tau_before: dict[str, dict[str, float]] = {}
+    tau_before: dict[str, dict[str, Any]] = {}
     for kind, path in methods:
         first = str(before) if before is not None and kind == draft_kind else path
         engine = SpecDecodeEngine(
@@ -89,16 +98,54 @@ def evaluate(
                 from safetensors.torch import load_file
 
                 for name, prompts in datasets.items():
-                    stats, _ = measure(engine, prompts, sampling)
-                    tau_before[name] = {"tau": stats["tau"], "tau_vllm": stats["tau_vllm"]}
+                    tau_before[name] = tau_entry(*measure_all(engine, prompts, sampling))
                     print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
                 assert path is not None
                 engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
             for name, prompts in datasets.items():
-                res, _ = _measure(engine, prompts, sampling, k, concurrency, speed_prompts)
+                res = _measure(engine, prompts, sampling, k, concurrency, speed_prompts)
                 results[name][kind] = res
         finally:
             engine.shutdown()
+    report = build_report(
+        target=target,
+        draft_kind=draft_kind,
+        draft_path=draft_path,
+        before=before,
+        k=k,
+        results=results,
+        tau_before=tau_before,
+        concurrency=concurrency,
+    )
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    plot_acceptance(report, out)
+    plot_speedup(report, out)
+    return report
+
+
+def check_datasets(datasets: dict[str, list[list[int]]]) -> None:
+    """Every eval set has prompts (`DataError` naming the first that has none)."""
+    if not datasets:
+        raise DataError("eval: no eval sets given")
+    for name, prompts in datasets.items():
+        if not prompts:
+            raise DataError(f"eval set {name!r} has no prompts")
+
+
+def build_report(
+    *,
+    target: str | Path,
+    draft_kind: str,
+    draft_path: str | Path | None,
+    before: str | Path | None,
+    k: int,
+    results: dict[str, dict[str, dict[str, Any]]],
+    tau_before: dict[str, dict[str, Any]],
+    concurrency: Sequence[int],
+) -> dict[str, Any]:
+    """The report from each eval set's per-method measurements (``results[dataset][method]``, the plain target
+    under `BASELINES[0]`) and the before-draft's τ entries."""
     report: dict[str, Any] = {
         "target": str(target),
         "draft": str(draft_path),
@@ -113,11 +160,10 @@ def evaluate(
             if kind == BASELINES[0]:
                 continue
             entry = {
-                "tau": res["tau"],
-                "tau_vllm": res["tau_vllm"],
-                "acceptance_per_position": res["acceptance_per_position"],
+                **{key: res[key] for key in ("tau", "tau_vllm", "n", "tau_ci", "acceptance_per_position")},
                 "speedup": {str(c): res["tokens_per_s"][c] / plain[c] for c in concurrency},
                 "tokens_per_s": {str(c): v for c, v in res["tokens_per_s"].items()},
+                "per_prompt": res["per_prompt"],
             }
             if kind == draft_kind:
                 if name in tau_before:
@@ -126,10 +172,51 @@ def evaluate(
             else:
                 report["baselines"].setdefault(kind, {})[name] = entry
         report.setdefault("plain_tokens_per_s", {})[name] = {str(c): v for c, v in plain.items()}
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(render_markdown(report))
-    plot_acceptance(report, out)
+    for name, entry in report["datasets"].items():
+        entry["paired"] = paired_entries(
+            entry, {b: per[name] for b, per in report["baselines"].items() if name in per}
+        )
     return report
+
+
+def paired_entries(
+    entry: dict[str, Any], baselines: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Paired differences of the draft on one eval set: ``before`` (after − before, when measured) and each
+    baseline (draft − baseline), all on the same prompts."""
+    others = {"before": entry["before"]} if "before" in entry else {}
+    others |= baselines
+    return {name: paired_diff(entry["per_prompt"], e["per_prompt"]) for name, e in others.items()}
+
+
+def _fmt_tau(e: dict[str, Any]) -> str:
+    t = f"{e['tau']:.3f}" if e.get("tau") is not None else "-"
+    if "tau_ci" in e:
+        lo, hi = e["tau_ci"]
+        t += f" [{lo:.3f}, {hi:.3f}]"
+    return t
+
+
+def ci_words(lo: float, hi: float) -> str:
+    """Whether a CI of a difference excludes zero, in words."""
+    if lo > 0:
+        return "CI above zero"
+    if hi < 0:
+        return "CI below zero"
+    return "CI includes zero"
+
+
+def paired_line(name: str, label: str, d: dict[str, float]) -> str:
+    """One markdown bullet for a paired difference, e.g. ``after − before: +0.031 [+0.012, +0.050] (CI above
+    zero)``, followed by the pooled-τ difference and the share of prompts where the first side is better."""
+    if not d.get("n"):
+        return f"- {name}: {label}: no prompt with verification steps on both sides"
+    return (
+        f"- {name}: {label}: {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] ({ci_words(d['lo'], d['hi'])}); "
+        f"pooled τ {d['pooled']:+.3f} [{d['pooled_lo']:+.3f}, {d['pooled_hi']:+.3f}] "
+        f"({ci_words(d['pooled_lo'], d['pooled_hi'])}); better on {100 * d['share_better']:.0f}% of "
+        f"{d['n']} prompts"
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -140,26 +227,56 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- draft: `{report['draft']}`",
         f"- speculative_config: `{json.dumps(report['speculative_config'])}`",
         "",
-        "| dataset | method | τ (records) | τ (vLLM) | speed-up by concurrency |",
-        "|---|---|---|---|---|",
+        "| dataset | method | n | τ (records) [95% CI] | τ (vLLM) | speed-up by concurrency |",
+        "|---|---|---|---|---|---|",
     ]
 
     def row(name: str, method: str, e: dict[str, Any]) -> str:
-        sp = ", ".join(f"c={c}: {v:.2f}x" for c, v in e["speedup"].items())
-        t = f"{e['tau']:.3f}" if e["tau"] is not None else "-"
-        return f"| {name} | {method} | {t} | {e['tau_vllm']:.3f} | {sp} |"
+        sp = ", ".join(f"c={c}: {v:.2f}x" for c, v in e.get("speedup", {}).items()) or "-"
+        return f"| {name} | {method} | {e.get('n', '-')} | {_fmt_tau(e)} | {e['tau_vllm']:.3f} | {sp} |"
 
     for name, e in report["datasets"].items():
         if "before" in e:
-            b = e["before"]
-            lines.append(
-                f"| {name} | draft before (start of run) | {b['tau']:.3f} | {b['tau_vllm']:.3f} | - |"
-            )
+            lines.append(row(name, "draft before (start of run)", e["before"]))
         lines.append(row(name, "draft", e))
         for b, per in report["baselines"].items():
             if name in per:
                 lines.append(row(name, b, per[name]))
+    paired = [
+        paired_line(name, "after − before" if other == "before" else f"draft − {other}", d)
+        for name, e in report["datasets"].items()
+        for other, d in e.get("paired", {}).items()
+    ]
+    if paired:
+        lines += ["", "Paired differences of per-prompt τ on the same prompts (mean [95% bootstrap CI]):", ""]
+        lines += paired
     return "\n".join(lines) + "\n"
+
+
+def plot_speedup(report: dict[str, Any], out: Path) -> None:
+    """`speedup_<dataset>.png`: speed-up over plain decoding vs concurrency, the draft beside each baseline;
+    only for eval sets with more than one concurrency or a baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, e in report["datasets"].items():
+        methods = {"draft": e} | {b: per[name] for b, per in report["baselines"].items() if name in per}
+        if len(e["speedup"]) < 2 and len(methods) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3))
+        for label, m in methods.items():
+            cs = sorted(m["speedup"], key=int)
+            ax.plot([int(c) for c in cs], [m["speedup"][c] for c in cs], marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("speed-up over plain decoding")
+        ax.set_title(f"{name}: speed-up")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"speedup_{name}.png", dpi=100)
+        plt.close(fig)
 
 
 def plot_acceptance(report: dict[str, Any], out: Path) -> None:

@@ -3,6 +3,8 @@
 τ of a set of requests = committed response tokens / verification steps (docs/design.md, "Records"), from the
 project's anchor records (`tau`) and from vLLM's own per-request spec-decode counters (`tau_vllm`). Requests that
 failed are left out; with no verification step at all (plain decoding) `tau` falls back to `tau_vllm`.
+`per_prompt` gives each request's counts from the same source, so τ's uncertainty (`eval/stats.py`) can be
+computed from them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from draft_opd_ray.eval.stats import bootstrap_ci
 from draft_opd_ray.rollout.records import RequestRecord, tau, tau_vllm
 
 
@@ -27,12 +30,51 @@ def tau_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
     }
 
 
+def per_prompt(records: Sequence[RequestRecord]) -> list[dict[str, int]]:
+    """``{"steps", "accepted", "tokens"}`` of each request, in order, counted where `tau_stats` counts: the
+    anchor records when any successful request has a verification step, else vLLM's counters. A failed
+    request counts zero of each."""
+    stepped = any(r.num_steps for r in records if not r.error)
+    out = []
+    for r in records:
+        if r.error:
+            out.append({"steps": 0, "accepted": 0, "tokens": 0})
+        elif stepped:
+            out.append({"steps": r.num_steps, "accepted": sum(r.accepted), "tokens": len(r.response_ids)})
+        else:
+            steps, accepted = max(r.vllm_steps, 0), max(r.vllm_accepted, 0)
+            out.append({"steps": steps, "accepted": accepted, "tokens": len(r.response_ids)})
+    return out
+
+
+def tau_entry(stats: dict[str, float], records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """τ of one method on one eval set: `tau`, `tau_vllm`, `n` (requests with a verification step), `tau_ci`
+    (95% bootstrap CI over prompts) and `per_prompt` (every request's counts, in prompt order)."""
+    counts = per_prompt(records)
+    ci = bootstrap_ci(counts)
+    return {
+        "tau": stats["tau"],
+        "tau_vllm": stats["tau_vllm"],
+        "n": ci["n"],
+        "tau_ci": [ci["lo"], ci["hi"]],
+        "per_prompt": counts,
+    }
+
+
+def measure_all(
+    engine: Any, prompts: Sequence[list[int]], sampling: Any
+) -> tuple[dict[str, float], list[RequestRecord]]:
+    """Like `measure`, but returns every record, one per prompt in prompt order (failed ones included)."""
+    recs = list(engine.generate(prompts, sampling))
+    return tau_stats(recs), recs
+
+
 def measure(
     engine: Any, prompts: Sequence[list[int]], sampling: Any
 ) -> tuple[dict[str, float], list[RequestRecord]]:
     """Generate ``prompts`` with ``engine`` (a `SpecDecodeEngine`); τ statistics and the successful records."""
-    recs = [r for r in engine.generate(prompts, sampling) if not r.error]
-    return tau_stats(recs), recs
+    stats, recs = measure_all(engine, prompts, sampling)
+    return stats, [r for r in recs if not r.error]
 
 
 def measure_drafts(
@@ -45,9 +87,10 @@ def measure_drafts(
     max_new_tokens: int,
     eos_token_id: int | None,
     max_model_len: int = 2048,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """τ of several drafts of one kind (and vocabulary) on the same prompts, greedy, in ONE vLLM engine: after
-    the first, each draft's weights are swapped in (`load_draft_weights`). Keyed by the draft folder."""
+    the first, each draft's weights are swapped in (`load_draft_weights`). Keyed by the draft folder; each
+    value is a `tau_entry` (τ, n, 95% CI, per-prompt counts)."""
     from safetensors.torch import load_file
 
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
@@ -67,7 +110,8 @@ def measure_drafts(
         for v, path in enumerate(drafts):
             if v > 0:
                 engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), v)
-            out[str(path)], _ = measure(engine, prompts, sampling)
+            stats, recs = measure_all(engine, prompts, sampling)
+            out[str(path)] = tau_entry(stats, recs)
             print(
                 f"[tau] {path}: τ {out[str(path)]['tau']:.3f} (vLLM {out[str(path)]['tau_vllm']:.3f})",
                 flush=True,

@@ -1,0 +1,354 @@
+"""Compare runs: `python -m draft_opd_ray.compare RUN_DIR... [--baseline ARM] [--out DIR] [--dataset NAME]`.
+
+A run dir holds `eval/report.json` (plus Hydra's `.hydra/{config,overrides}.yaml` and `metrics.jsonl`); a Hydra
+multirun dir expands to the run dirs directly inside it. Runs are grouped into arms by their Hydra overrides
+without `seed=` and `hydra.*`. Per arm: τ mean with a 95% t-interval over seeds, the per-seed τ, the mean gain
+over the draft the runs started from, training FLOPs, and the paired per-prompt difference against the baseline
+arm (runs of the same seed on the same prompts, differences pooled over seeds, bootstrap CI). Writes
+`compare.md` (also printed), `compare.json`, `tau_by_arm.png` and `tau_vs_compute.png` to ``--out``.
+Bad input exits with code 2 and one `error: ...` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from draft_opd_ray.errors import DataError
+from draft_opd_ray.eval.stats import bootstrap_mean_ci, mean_ci, prompt_diffs
+from draft_opd_ray.metrics import read_metrics
+
+EXIT_BAD_INPUT = 2
+REPORT = Path("eval") / "report.json"
+CURVE = Path("eval") / "curve.json"
+
+
+@dataclass
+class Run:
+    """One run dir, read: its arm, seed, report, training FLOPs and (optional) τ-vs-FLOPs curve."""
+
+    path: Path
+    arm: str
+    seed: int
+    report: dict[str, Any]
+    flops: float | None = None
+    curve: list[dict[str, float]] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / REPORT).is_file()
+
+
+def _natural_key(path: Path) -> tuple[int, str]:
+    """Hydra's job dirs (`0_...`, `1_...`, `10_...`) in job order, anything else by name after them."""
+    m = re.match(r"(\d+)", path.name)
+    return (int(m.group(1)) if m else sys.maxsize, path.name)
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Path]:
+    """The run dirs the arguments name: each a run dir, or a multirun dir whose subdirectories are run dirs."""
+    found: list[Path] = []
+    for arg in paths:
+        p = Path(arg)
+        if not p.exists():
+            raise DataError(f"{p}: does not exist")
+        if is_run_dir(p):
+            found.append(p)
+            continue
+        subs = [d for d in p.iterdir() if d.is_dir() and is_run_dir(d)] if p.is_dir() else []
+        if not subs:
+            raise DataError(f"{p}: not a run directory (no {REPORT})")
+        found += sorted(subs, key=_natural_key)
+    unique: dict[Path, Path] = {}
+    for p in found:
+        unique.setdefault(p.resolve(), p)
+    return list(unique.values())
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _read_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _load(path: Path, read: Callable[[Path], Any], default: Any) -> Any:
+    """``read(path)``, ``default`` if the file is absent; `DataError` with one line if it does not parse."""
+    if not path.is_file():
+        return default
+    try:
+        return read(path)
+    except (ValueError, yaml.YAMLError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}: does not parse ({first})") from None
+
+
+def arm_name(overrides: Sequence[str]) -> str:
+    """The overrides that define an arm: all but `seed=` and `hydra.*`, joined by ","; "default" if none."""
+
+    def key(o: str) -> str:
+        return o.lstrip("+~").split("=", 1)[0]
+
+    kept = [o for o in overrides if key(o) != "seed" and not key(o).startswith(("hydra.", "hydra/"))]
+    return ",".join(kept) or "default"
+
+
+def train_flops(rows: Sequence[dict[str, Any]]) -> float | None:
+    """`flops_draft` + `flops_target` of the last metrics row that has them; None if no row does."""
+    for row in reversed(rows):
+        if "flops_draft" in row or "flops_target" in row:
+            return float(row.get("flops_draft", 0.0)) + float(row.get("flops_target", 0.0))
+    return None
+
+
+def load_run(path: Path) -> Run:
+    report = _load(path / REPORT, _read_json, None)
+    if not isinstance(report, dict) or not isinstance(report.get("datasets"), dict):
+        raise DataError(f"{path / REPORT}: not an eval report (no 'datasets')")
+    overrides = _load(path / ".hydra" / "overrides.yaml", _read_yaml, []) or []
+    config = _load(path / ".hydra" / "config.yaml", _read_yaml, {})
+    seed = config.get("seed", 0) if isinstance(config, dict) else 0
+    return Run(
+        path=path,
+        arm=arm_name([str(o) for o in overrides]),
+        seed=int(seed or 0),
+        report=report,
+        flops=train_flops(_load(path / "metrics.jsonl", read_metrics, [])),
+        curve=list(_load(path / CURVE, _read_json, []) or []),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+
+
+def _entry(run: Run, dataset: str) -> dict[str, Any]:
+    datasets = run.report["datasets"]
+    if dataset not in datasets:
+        raise DataError(f"{run.path / REPORT}: no dataset {dataset!r} (has: {', '.join(datasets) or 'none'})")
+    e = datasets[dataset]
+    if not isinstance(e, dict) or "tau" not in e:
+        raise DataError(f"{run.path / REPORT}: dataset {dataset!r} has no 'tau'")
+    return e
+
+
+def _run_row(run: Run, dataset: str) -> dict[str, Any]:
+    e = _entry(run, dataset)
+    before = (e.get("before") or {}).get("tau")
+    return {
+        "path": str(run.path),
+        "arm": run.arm,
+        "seed": run.seed,
+        "tau": float(e["tau"]),
+        "tau_before": None if before is None else float(before),
+        "n": e.get("n", len(e.get("per_prompt", []))),
+        "flops": run.flops,
+    }
+
+
+def paired_vs(runs: Sequence[Run], base: Sequence[Run], dataset: str) -> dict[str, Any] | None:
+    """Per-prompt τ differences of ``runs`` minus the ``base`` run of the same seed, pooled over seeds: mean
+    with bootstrap CI (`n`: prompts), the seeds paired, and the seeds left unpaired (no base run of that seed,
+    or no `per_prompt` lists of equal length). None if no run could be paired."""
+    by_seed: dict[int, Run] = {}
+    for run in base:
+        by_seed.setdefault(run.seed, run)
+    diffs, seeds, unpaired = [], [], []
+    for r in runs:
+        b = by_seed.get(r.seed)
+        pa = _entry(r, dataset).get("per_prompt")
+        pb = _entry(b, dataset).get("per_prompt") if b is not None else None
+        if not pa or not pb or len(pa) != len(pb):
+            unpaired.append(r.seed)
+            continue
+        diffs.append(prompt_diffs(pa, pb))
+        seeds.append(r.seed)
+    if not seeds:
+        return None
+    return {**bootstrap_mean_ci(np.concatenate(diffs)), "seeds": seeds, "unpaired_seeds": unpaired}
+
+
+def compare(
+    runs: Sequence[Run], *, dataset: str | None = None, baseline: str | None = None
+) -> dict[str, Any]:
+    """The comparison's numbers (what `compare.json` holds)."""
+    dataset = dataset or next(iter(runs[0].report["datasets"]), None)
+    if dataset is None:
+        raise DataError(f"{runs[0].path / REPORT}: no dataset in the report")
+    arms: dict[str, list[Run]] = {}
+    for r in runs:
+        arms.setdefault(r.arm, []).append(r)
+    baseline = baseline or next(iter(arms))
+    if baseline not in arms:
+        raise DataError(f"--baseline {baseline!r}: no such arm (arms: {'; '.join(arms)})")
+    rows = [_run_row(r, dataset) for r in runs]
+    out: dict[str, Any] = {"dataset": dataset, "baseline": baseline, "arms": {}, "runs": rows}
+    for arm, members in arms.items():
+        mine = [row for row in rows if row["arm"] == arm]
+        gains = [row["tau"] - row["tau_before"] for row in mine if row["tau_before"] is not None]
+        flops = [row["flops"] for row in mine if row["flops"] is not None]
+        out["arms"][arm] = {
+            "seeds": [row["seed"] for row in mine],
+            "tau": mean_ci([row["tau"] for row in mine]),
+            "tau_per_seed": [row["tau"] for row in mine],
+            "gain_over_before": mean_ci(gains) if gains else None,
+            "flops": float(np.mean(flops)) if flops else None,
+            "vs_baseline": None if arm == baseline else paired_vs(members, arms[baseline], dataset),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def _signed_ci(c: dict[str, float]) -> str:
+    """``+0.031 [+0.012, +0.050]``, or only the mean when there is a single value."""
+    if c["n"] == 1:
+        return f"{c['mean']:+.3f} (n=1)"
+    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+
+def render_table(result: dict[str, Any]) -> str:
+    base = result["baseline"]
+    lines = [
+        f"# Comparison on {result['dataset']} (baseline arm: {base})",
+        "",
+        f"| arm | seeds | τ mean [95% CI] | τ per seed | τ after − before | train FLOPs | Δτ vs {base} per prompt "
+        "[95% CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, a in result["arms"].items():
+        t = a["tau"]
+        per_seed = ", ".join(f"s{s}: {v:.3f}" for s, v in zip(a["seeds"], a["tau_per_seed"]))
+        gain = _signed_ci(a["gain_over_before"]) if a["gain_over_before"] else "-"
+        flops = f"{a['flops']:.3g}" if a["flops"] is not None else "-"
+        v = a["vs_baseline"]
+        if arm == base:
+            vs = "(baseline)"
+        elif v is None:
+            vs = "- (no runs of the same seed on the same prompts)"
+        else:
+            vs = f"{_signed_ci(v)} ({v['n']} prompts, {len(v['seeds'])} seeds)"
+        lines.append(
+            f"| {arm} | {t['n']} | {t['mean']:.3f} [{t['lo']:.3f}, {t['hi']:.3f}] | {per_seed} | {gain} | "
+            f"{flops} | {vs} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tau_by_arm(result: dict[str, Any], out: Path) -> Path:
+    """τ per arm: mean with its CI as error bar, each seed's τ as a dot."""
+    plt = _pyplot()
+    arms = list(result["arms"])
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(arms) + 2), 3.5))
+    for i, arm in enumerate(arms):
+        t = result["arms"][arm]["tau"]
+        ax.errorbar([i], [t["mean"]], yerr=[[t["mean"] - t["lo"]], [t["hi"] - t["mean"]]], fmt="o", capsize=5)
+        seeds = result["arms"][arm]["tau_per_seed"]
+        ax.scatter(i + 0.12 + np.linspace(-0.04, 0.04, len(seeds)), seeds, s=12, color="grey", zorder=3)
+    ax.set_xticks(range(len(arms)), arms, rotation=20, ha="right", fontsize=8)
+    ax.set_xlim(-0.5, len(arms) - 0.5)
+    ax.set_ylabel(f"τ on {result['dataset']}")
+    ax.set_title("τ by arm: mean, 95% CI over seeds, seeds as dots", fontsize=9)
+    fig.tight_layout()
+    path = out / "tau_by_arm.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_tau_vs_compute(runs: Sequence[Run], result: dict[str, Any], out: Path) -> Path | None:
+    """τ vs training FLOPs, every arm on one figure: one point per run, and each run's `eval/curve.json` as
+    a line. None (nothing written) when no run has FLOPs or a curve."""
+    if not any(r.flops is not None or r.curve for r in runs):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = {arm: f"C{i % 10}" for i, arm in enumerate(result["arms"])}
+    labelled: set[str] = set()
+    for run, row in zip(runs, result["runs"]):
+        color = colors[run.arm]
+        label = None if run.arm in labelled else run.arm
+        if run.curve:
+            pts = sorted((float(p["flops"]), float(p["tau"])) for p in run.curve)
+            ax.plot(*zip(*pts), color=color, alpha=0.5, lw=1, label=label)
+            label = None
+        if run.flops is not None:
+            ax.scatter([run.flops], [row["tau"]], color=color, s=20, zorder=3, label=label)
+        labelled.add(run.arm)
+    xs = [x for line in ax.get_lines() for x in line.get_xdata()] + [r.flops for r in runs if r.flops]
+    if xs and min(xs) > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs (draft + target)")
+    ax.set_ylabel(f"τ on {result['dataset']}")
+    ax.set_title("τ vs training compute")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "tau_vs_compute.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_compare(
+    paths: Sequence[str | Path], *, out: str | Path, dataset: str | None = None, baseline: str | None = None
+) -> dict[str, Any]:
+    """Read the runs, compute, write `compare.{md,json}` and the plots to ``out``; returns the numbers."""
+    runs = [load_run(p) for p in find_runs(paths)]
+    result = compare(runs, dataset=dataset, baseline=baseline)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = render_table(result)
+    (out / "compare.md").write_text(table)
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_tau_by_arm(result, out)
+    plot_tau_vs_compute(runs, result, out)
+    print(table, end="", flush=True)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m draft_opd_ray.compare", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dirs or Hydra multirun dirs")
+    parser.add_argument(
+        "--baseline", default=None, metavar="ARM", help="arm to compare against (default: first)"
+    )
+    parser.add_argument(
+        "--out", default="compare_out", metavar="DIR", help="output dir (default: ./compare_out)"
+    )
+    parser.add_argument(
+        "--dataset", default=None, metavar="NAME", help="eval set (default: the first reported)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        run_compare(args.runs, out=args.out, dataset=args.dataset, baseline=args.baseline)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()
