@@ -123,7 +123,9 @@ def load_run(path: Path) -> Run:
     seed = config.get("seed", 0) if isinstance(config, dict) else 0
     return Run(
         path=path,
-        arm=arm_name([str(o) for o in overrides]),
+        arm=(path / "arm").read_text().strip()
+        if (path / "arm").is_file()
+        else arm_name([str(o) for o in overrides]),
         seed=int(seed or 0),
         report=report,
         flops=train_flops(_load(path / "metrics.jsonl", read_metrics, [])),

@@ -10,6 +10,7 @@ Everything heavy starts only after the config and the data have been checked.
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
     target = resolve_target_path(cfg.target.path, cache)
     info = read_target_info(target)
     kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
+    if cfg.draft.path is not None:
+        kinds.check_draft_matches_target(target, cfg.draft.path, cfg.draft.kind)
     return str(target), AutoTokenizer.from_pretrained(target), info
 
 
@@ -70,11 +73,14 @@ def opd_prompts(cfg: Config, train: list[list[int]]) -> list[list[int]]:
     """Draft-OPD rolls out on the train prompts after the first `sft.num_prompts`, which are the SFT warm start's
     (whether the sft stage runs now or made `draft.path` earlier): its answers to those are memorised, so their
     on-policy signal says little about new prompts. All of them when none are left."""
-    rest = train[cfg.sft.num_prompts :]
-    if not rest:
-        return train
+    rest = train[cfg.sft.num_prompts :] or train
+    rest = random.Random(cfg.seed).sample(
+        rest, len(rest)
+    )  # a seeded order: seeds differ in what they see first
     print(
-        f"[opd] {len(rest)} train prompts after the {cfg.sft.num_prompts} of the SFT warm start", flush=True
+        f"[opd] {len(rest)} train prompts after the {cfg.sft.num_prompts} of the SFT warm start (order: seed "
+        f"{cfg.seed})",
+        flush=True,
     )
     return rest
 

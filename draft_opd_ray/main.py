@@ -50,7 +50,11 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
     from draft_opd_ray.driver import run
 
-    run(cfg, plan, run_dir=HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, plan, run_dir=HydraConfig.get().runtime.output_dir)
+    except DraftOPDError as e:  # bad input found once the target is resolved (a draft of another target, ...)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 def main() -> None:

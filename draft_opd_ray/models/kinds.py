@@ -124,11 +124,32 @@ def check_draft_fits_target(d: Any, num_layers: int, vocab_size: int) -> None:
         )
 
 
-def check_vocab_match(target: str | Path, draft: str | Path, kind: str) -> None:
-    """A draft that shares the target's vocabulary must have its size (EAGLE-3 maps its own via d2t)."""
+def check_draft_matches_target(target: str | Path, draft: str | Path, kind: str) -> None:
+    """A draft folder made for this target and this kind (config.json only, no weights): the kind it was exported
+    as, the target's hidden size and depth it conditions on, and a vocabulary it can share (EAGLE-3 maps its own
+    via d2t)."""
+    cfg_path = Path(draft) / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"draft.path: {draft} has no config.json (not an exported draft folder)")
     t = json.loads((Path(target) / "config.json").read_text())
-    d = json.loads((Path(draft) / "config.json").read_text())
-    tv = t.get("vocab_size") or t.get("text_config", {}).get("vocab_size")
+    t = t.get("text_config", t)
+    d = json.loads(cfg_path.read_text())
+    made = d.get("draft_opd", {})
+    if made.get("kind") not in (None, kind):
+        raise ModelError(f"draft.path: {draft} holds a draft of kind {made['kind']!r}, but draft.kind={kind}")
+    if kind != "standalone":
+        th, dh = t.get("hidden_size"), d.get("target_hidden_size", d.get("hidden_size"))
+        if th != dh:
+            raise ModelError(
+                f"draft.path: the draft was made for a target of hidden size {dh}; this target's is {th} "
+                "(a draft of another target)"
+            )
+    if made.get("target_num_layers") not in (None, t.get("num_hidden_layers")):
+        raise ModelError(
+            f"draft.path: the draft was made for a target of {made['target_num_layers']} layers; this target has "
+            f"{t.get('num_hidden_layers')} (a draft of another target)"
+        )
+    tv = t.get("vocab_size")
     dv = d.get("vocab_size")
     if kind == "standalone" and tv != dv:
         raise ModelError(

@@ -102,7 +102,7 @@ class SpecDecodeEngine:
         :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
         puts every engine on one core and leaves the other for the frontend)."""
         if draft_path is not None and draft_kind in kinds.KINDS:
-            kinds.check_vocab_match(target, draft_path, draft_kind)
+            kinds.check_draft_matches_target(target, draft_path, draft_kind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
         from vllm import LLM
 

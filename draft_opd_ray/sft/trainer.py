@@ -84,12 +84,22 @@ def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch
 # --------------------------------------------------------------------------------------------------
 
 
-def schedule_progress(step: int, total_steps: int, tokens: int, train_tokens: int | None) -> float:
-    """Where the lr schedule is, in [0, 1]: the larger of the step fraction (of ``sft.epochs``) and the
-    trained-token fraction of the budget. Never the wall clock, so a run is the same on any machine."""
+def schedule_progress(
+    step: int,
+    total_steps: int,
+    tokens: int,
+    train_tokens: int | None,
+    flops: float = 0.0,
+    max_flops: float | None = None,
+) -> float:
+    """Where the lr schedule is, in [0, 1]: the largest of the step fraction (of ``sft.epochs``), the trained-token
+    fraction of ``sft.train_tokens`` and the FLOPs fraction of ``sft.max_flops``: whichever budget ends training
+    also ends the schedule. Never the wall clock, so a run is the same on any machine."""
     frac = step / max(1, total_steps)
     if train_tokens:
         frac = max(frac, tokens / train_tokens)
+    if max_flops:
+        frac = max(frac, flops / max_flops)
     return min(1.0, frac)
 
 
@@ -320,6 +330,9 @@ def _train(
     dtype = _DTYPES[resolve_dtype(learner.dtype)]
     start_used, wall0 = state.budget_s_used, time.monotonic()
     pending = sorted(t for t in sft.curve_tokens if t > state.tokens)
+    flops0 = (
+        0.0 if state.step else state.flops_draft + state.flops_target
+    )  # the cached features' target FLOPs
     lengths = [source.length(i) for i in range(len(source))]
     steps_per_epoch = len(length_batches(lengths, sft.batch_tokens, seed))
     total_steps = (
@@ -345,7 +358,14 @@ def _train(
                 break
             if sft.train_tokens is not None and state.tokens >= sft.train_tokens:
                 break
-            progress_frac = schedule_progress(state.step, total_steps, state.tokens, sft.train_tokens)
+            progress_frac = schedule_progress(
+                state.step,
+                total_steps,
+                state.tokens,
+                sft.train_tokens,
+                state.flops_draft + state.flops_target - flops0,
+                None if sft.max_flops is None else sft.max_flops - flops0,
+            )
             lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
             for g in opt.param_groups:
                 g["lr"] = lr

@@ -160,3 +160,27 @@ def test_draft_that_does_not_fit_the_target_is_rejected(overrides: list[str], fr
 def test_default_draft_fits_the_default_target() -> None:
     for kind in ("eagle3", "standalone", "dflash"):
         check_draft_fits_target(compose([f"draft={kind}"]).draft, num_layers=30, vocab_size=49152)
+
+
+def test_eval_of_a_draft_of_another_target_is_one_line_exit_2(tmp_path: Path, tiny_target: Path) -> None:
+    """An EAGLE-3 head made for the tiny target, evaluated on the embedded SmolLM2 target: refused from the two
+    config.json files, before any engine starts."""
+    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+
+    draft = save_eagle3(init_eagle3(tiny_target, aux_layer_ids=[0, 1, 2]), tmp_path / "d", tiny_target)
+    r = run_main("stages=[eval]", f"draft.path={draft}")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip().count("\n") == 0 and "a draft of another target" in r.stderr, r.stderr
+    r = run_main("stages=[eval]", "draft=standalone", f"draft.path={draft}")
+    assert r.returncode == 2 and "holds a draft of kind 'eagle3', but draft.kind=standalone" in r.stderr, (
+        r.stderr
+    )
+
+
+def test_empty_eval_prompt_set_is_one_line_exit_2(tmp_path: Path) -> None:
+    empty = tmp_path / "eval.jsonl"
+    empty.write_text("")
+    d = tmp_path / "draft"
+    d.mkdir()
+    r = run_main("stages=[eval]", f"draft.path={d}", "data.eval.source=jsonl", f"data.eval.path={empty}")
+    assert r.returncode == 2 and r.stderr.startswith("error: data.eval.path: file is empty"), r.stderr

@@ -20,12 +20,19 @@ def _cfg(**nodes: object) -> Config:
 def test_opd_rolls_out_on_the_prompts_after_the_sft_warm_start() -> None:
     train = [[i, i + 1] for i in range(5)]
     cfg = _cfg(sft=SFTConfig(num_prompts=3))
-    assert opd_prompts(cfg, train) == train[3:]
+    assert sorted(opd_prompts(cfg, train)) == train[3:]
     assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=4)), train) == [train[4]]
     # none left after the warm start's: all of them
-    assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=5)), train) == train
-    assert opd_prompts(_cfg(sft=SFTConfig(num_prompts=50)), train) == train
+    assert sorted(opd_prompts(_cfg(sft=SFTConfig(num_prompts=5)), train)) == train
+    assert sorted(opd_prompts(_cfg(sft=SFTConfig(num_prompts=50)), train)) == train
     assert opd_prompts(cfg, []) == []
+
+
+def test_opd_prompt_order_is_seeded() -> None:
+    train = [[i] for i in range(200)]
+    a = opd_prompts(_cfg(sft=SFTConfig(num_prompts=10), seed=0), train)
+    assert a == opd_prompts(_cfg(sft=SFTConfig(num_prompts=10), seed=0), train)
+    assert a != opd_prompts(_cfg(sft=SFTConfig(num_prompts=10), seed=1), train) and sorted(a) == train[10:]
 
 
 def test_initial_draft_is_a_fresh_eagle3_head(tiny_target: Path, tmp_path: Path) -> None:

@@ -222,6 +222,8 @@ def test_schedule_counts_tokens_not_minutes() -> None:
     assert schedule_progress(900, 1000, 100_000, 1_000_000) == pytest.approx(0.9)  # epochs can lead
     assert schedule_progress(10, 1000, 2_000_000, 1_000_000) == 1.0
     assert schedule_progress(250, 1000, 123, None) == pytest.approx(0.25)  # no token budget: epochs
+    # a FLOPs budget (the matched-FLOPs arm) ends the schedule with training
+    assert schedule_progress(5, 10**6, 10, None, 3e12, 1e13) == pytest.approx(0.3)
 
 
 def test_lr_schedule() -> None:

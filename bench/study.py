@@ -1,0 +1,267 @@
+"""The Draft-OPD vs SFT study under the plateau-first protocol (docs/results.md). Three commands, each resumable:
+
+    python bench/study.py plateau [--kind eagle3]    # SFT on a fixed answer set + its validation tau-vs-compute
+    python bench/study.py arms --arms opd,sft,sft_rollouts --seeds 0,1
+    python bench/study.py eval                       # tau of every arm on validation / MT-Bench / HumanEval
+    python -m draft_opd_ray.compare runs/study/eagle3/arms/*      # (eval runs it too)
+
+1. plateau: `python -m draft_opd_ray.main stages=[sft]` on the first 768 ShareGPT train prompts' target answers
+   (float32, cached by content: on a new machine the same command rebuilds them deterministically), for a budget
+   of trained tokens with exports at every doubling (`sft.curve_tokens`). Each export's tau on the validation
+   split (ShareGPT's held-out hash split: prompts no stage trains on) gives the curve; the rule, fixed before
+   running: the curve has plateaued once the last doubling of training compute gained less than +0.02 tau. The
+   last export is the branch point (cached in the run dir: the arms can be re-run later).
+2. arms, all from the branch point, at matched training FLOPs where the arm is SFT:
+   opd           Draft-OPD with the defaults (`stages=[opd]`, rollouts on the train prompts after the 768)
+   sft           SFT continued on the same answers (`sft.start_from`), `sft.max_flops` = the OPD run's training
+                 FLOPs (student + replay target forwards; SFT is charged its target forward per batch), peak lr
+                 = optim.lr (the OPD peak), the same warm-up + cosine shape
+   sft_rollouts  `algorithm=sft_on_rollouts`: CE on the committed tokens of the same rollouts, no replay (C5)
+   fkl, rkl      `algorithm=forward_kl`, `algorithm=reverse_kl` (C3)
+   random        `anchor.policy=random replay.mode=redraft` (C4)
+   Rollout verification FLOPs are logged (`flops_rollout`) and not counted, as SFT's answer generation is not.
+   A seed changes the order of the OPD prompts and of the SFT batches.
+3. eval: the branch point and every arm's final draft in one vLLM engine per prompt set (weights swapped in),
+   greedy, K = 4; each arm's run dir gets `eval/report.json` (n, tau, 95% CI, per-prompt counts, the paired
+   difference against the branch point) and `eval/curve.json`, then the comparison report (`compare/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path("runs/study")
+ARMS: dict[str, list[str]] = {
+    "opd": ["stages=[opd]"],
+    "sft": ["stages=[sft]"],
+    "sft_rollouts": ["stages=[opd]", "algorithm=sft_on_rollouts"],
+    "fkl": ["stages=[opd]", "algorithm=forward_kl"],
+    "rkl": ["stages=[opd]", "algorithm=reverse_kl"],
+    "random": ["stages=[opd]", "anchor.policy=random", "replay.mode=redraft"],
+}
+COMMON = ["sft.num_prompts=768", "sft.trajectory_dtype=float32", "wandb.mode=disabled"]
+EVAL_SETS = {
+    "validation": ("sharegpt", "eval"),
+    "mtbench": ("mtbench", "all"),
+    "humaneval": ("humaneval", "all"),
+}
+
+
+def sh(args: list[str], log: Path) -> None:
+    print("+", " ".join(args), flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        r = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode:
+        raise SystemExit(f"failed ({r.returncode}), see {log}")
+
+
+def main_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "draft_opd_ray.main", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def checkpoints(run_dir: Path, stage: str) -> list[Path]:
+    """The exported drafts of a stage, in training order."""
+    found = (run_dir / "checkpoints" / stage).glob("step_*/draft")
+    return sorted(found, key=lambda p: int(p.parent.name.split("_")[1]))
+
+
+def training_flops(ckpt: Path) -> float:
+    import torch
+
+    state = torch.load(ckpt.parent / "training_state.pt", weights_only=True)
+    f = state.get("flops", state)
+    return float(f.get("flops_draft", 0.0)) + float(f.get("flops_target", 0.0))
+
+
+def last_flops(run_dir: Path) -> float:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "flops_draft" in r]
+    return float(rows[-1]["flops_draft"]) + float(rows[-1].get("flops_target", 0.0))
+
+
+def eval_prompts(name: str, n: int, target: str) -> list[list[int]]:
+    from draft_opd_ray.data.prompts import prompt_ids
+
+    source, split = EVAL_SETS[name]
+    return prompt_ids(source, split, n, target)
+
+
+def measure(
+    target: str, kind: str, drafts: list[Path], sets: list[str], n: int, max_new: int
+) -> dict[str, dict[str, Any]]:
+    """{set: {draft: tau entry}} with one engine per set."""
+    from draft_opd_ray.eval.tau import measure_drafts
+
+    return {
+        s: measure_drafts(
+            target, kind, drafts, eval_prompts(s, n, target), k=4, max_new_tokens=max_new, eos_token_id=2
+        )
+        for s in sets
+    }
+
+
+# ------------------------------------------------------------------------------------------------ plateau
+
+
+def plateau(args: argparse.Namespace) -> None:
+    from draft_opd_ray.models.target import ensure_embedded_target
+
+    run = ROOT / args.kind / "plateau"
+    budget = args.tokens
+    marks = [budget >> i for i in range(args.doublings, 0, -1)]
+    if not checkpoints(run, "sft") or not (run / "checkpoints" / "sft" / "latest").exists():
+        sh(
+            main_cmd(
+                run,
+                [
+                    "stages=[sft]",
+                    f"draft={args.kind}",
+                    f"sft.train_tokens={budget}",
+                    f"sft.curve_tokens=[{','.join(map(str, marks))}]",
+                ],
+            ),
+            run / "sft.log",
+        )
+    drafts = checkpoints(run, "sft")
+    target = str(ensure_embedded_target())
+    taus = measure(target, args.kind, drafts, ["validation"], args.val_prompts, args.max_new_tokens)[
+        "validation"
+    ]
+    curve = []
+    for d in drafts:
+        e = taus[str(d)]
+        curve.append(
+            {"draft": str(d), "flops": training_flops(d), "tau": e["tau"], "tau_ci": e["tau_ci"], "n": e["n"]}
+        )
+    gain = curve[-1]["tau"] - curve[-2]["tau"] if len(curve) > 1 else math.nan
+    verdict = {"plateaued": bool(gain < 0.02), "last_doubling_gain": gain, "rule": "gain < +0.02 tau"}
+    (run / "eval").mkdir(parents=True, exist_ok=True)
+    (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
+    (run / "plateau.json").write_text(json.dumps({"branch": curve[-1]["draft"], **verdict}, indent=2) + "\n")
+    for c in curve:
+        print(
+            f"[plateau] {c['flops']:.3g} FLOPs: tau {c['tau']:.3f} [{c['tau_ci'][0]:.3f}, {c['tau_ci'][1]:.3f}]"
+        )
+    print(f"[plateau] last doubling {gain:+.3f}: {'plateaued' if verdict['plateaued'] else 'NOT plateaued'}")
+
+
+def branch_point(kind: str) -> Path:
+    info = ROOT / kind / "plateau" / "plateau.json"
+    if not info.is_file():
+        raise SystemExit(f"no {info}: run `python bench/study.py plateau --kind {kind}` first")
+    return Path(json.loads(info.read_text())["branch"])
+
+
+# ------------------------------------------------------------------------------------------------ arms
+
+
+def arm_dir(kind: str, arm: str, seed: int) -> Path:
+    return ROOT / kind / "arms" / f"{arm}_s{seed}"
+
+
+def final_draft(run: Path) -> Path | None:
+    for stage in ("opd", "sft"):
+        if (run / "checkpoints" / stage / "latest").exists():
+            return checkpoints(run, stage)[-1]
+    return None
+
+
+def arms(args: argparse.Namespace) -> None:
+    branch = branch_point(args.kind)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm in args.arms.split(","):
+            run = arm_dir(args.kind, arm, seed)
+            if final_draft(run) is not None:
+                print(f"[arms] {run}: done")
+                continue
+            extra = [f"draft={args.kind}", f"seed={seed}", *ARMS[arm]]
+            if arm == "sft":
+                opd = arm_dir(args.kind, "opd", seed)
+                if final_draft(opd) is None:
+                    raise SystemExit(f"the sft arm matches the FLOPs of {opd}: run the opd arm first")
+                extra += [
+                    f"sft.start_from={branch}",
+                    f"sft.max_flops={last_flops(opd)}",
+                    "sft.train_tokens=null",
+                    "sft.epochs=1000",
+                    "sft.reuse=false",
+                    "sft.lr=1e-4",  # the OPD peak (optim.lr): the same schedule from the same point
+                ]
+            else:
+                extra += [f"draft.path={branch}"]
+            sh(main_cmd(run, extra), run / "arm.log")
+            (run / "arm").write_text(arm + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ eval
+
+
+def evaluate_arms(args: argparse.Namespace) -> None:
+    from draft_opd_ray.compare import run_compare
+    from draft_opd_ray.eval.stats import paired_diff
+    from draft_opd_ray.models.target import ensure_embedded_target
+
+    branch = branch_point(args.kind)
+    runs = sorted(p for p in (ROOT / args.kind / "arms").glob("*_s*") if final_draft(p) is not None)
+    drafts = [branch] + [final_draft(r) for r in runs]
+    target = str(ensure_embedded_target())
+    sets = args.sets.split(",")
+    taus = measure(target, args.kind, drafts, sets, args.eval_prompts, args.max_new_tokens)  # type: ignore[arg-type]
+    for run, draft in zip(runs, drafts[1:]):
+        report: dict[str, Any] = {
+            "target": target,
+            "draft": str(draft),
+            "draft_before": str(branch),
+            "datasets": {},
+        }
+        for s in sets:
+            before, after = taus[s][str(branch)], taus[s][str(draft)]
+            entry = dict(after)
+            entry["before"] = before
+            entry["paired"] = {"before": paired_diff(after["per_prompt"], before["per_prompt"])}
+            report["datasets"][s] = entry
+        (run / "eval").mkdir(exist_ok=True)
+        (run / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        flops = last_flops(run)
+        first = sets[0]
+        curve = [
+            {"flops": 0.0, "tau": taus[first][str(branch)]["tau"], "n": taus[first][str(branch)]["n"]},
+            {"flops": flops, "tau": taus[first][str(draft)]["tau"], "n": taus[first][str(draft)]["n"]},
+        ]
+        (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
+    for s in sets:
+        run_compare(
+            [str(r) for r in runs], out=ROOT / args.kind / "compare" / s, dataset=s, baseline=args.baseline
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plateau")
+    p.add_argument("--tokens", type=int, default=1_280_000, help="SFT budget in trained tokens")
+    p.add_argument("--doublings", type=int, default=4, help="exports at budget/2, /4, ...")
+    p.add_argument("--val-prompts", type=int, default=32)
+    a = sub.add_parser("arms")
+    a.add_argument("--arms", default="opd,sft,sft_rollouts")
+    a.add_argument("--seeds", default="0")
+    e = sub.add_parser("eval")
+    e.add_argument("--sets", default="validation,mtbench,humaneval")
+    e.add_argument("--eval-prompts", type=int, default=40)
+    e.add_argument("--baseline", default="sft")
+    for q in (p, a, e):
+        q.add_argument("--kind", default="eagle3")
+        q.add_argument("--max-new-tokens", type=int, default=256)
+    args = ap.parse_args()
+    {"plateau": plateau, "arms": arms, "eval": evaluate_arms}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
