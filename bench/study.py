@@ -1,8 +1,8 @@
 """The Draft-OPD vs SFT study under the plateau-first protocol (docs/results.md). Three commands, each resumable:
 
-    python bench/study.py plateau [--kind eagle3]    # SFT on a fixed answer set + its validation tau-vs-compute
+    python bench/study.py plateau [--kind eagle3]    # SFT on a fixed answer set, exports at every doubling
     python bench/study.py arms --arms opd,sft,sft_rollouts --seeds 0,1
-    python bench/study.py eval                       # tau of every arm on validation / MT-Bench / HumanEval
+    python bench/study.py eval                       # tau of the plateau exports and every arm (validation, ...)
     python -m draft_opd_ray.compare runs/study/eagle3/arms/*      # (eval runs it too)
 
 1. plateau: `python -m draft_opd_ray.main stages=[sft]` on the first 768 ShareGPT train prompts' target answers
@@ -111,8 +111,6 @@ def measure(
 
 
 def plateau(args: argparse.Namespace) -> None:
-    from draft_opd_ray.models.target import ensure_embedded_target
-
     run = ROOT / args.kind / "plateau"
     budget = args.tokens
     marks = [budget >> i for i in range(args.doublings, 0, -1)]
@@ -130,12 +128,15 @@ def plateau(args: argparse.Namespace) -> None:
             run / "sft.log",
         )
     drafts = checkpoints(run, "sft")
-    target = str(ensure_embedded_target())
-    taus = measure(target, args.kind, drafts, ["validation"], args.val_prompts, args.max_new_tokens)[
-        "validation"
-    ]
+    (run / "plateau.json").write_text(json.dumps({"branch": str(drafts[-1])}, indent=2) + "\n")
+    print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
+
+
+def plateau_curve(kind: str, taus: dict[str, dict[str, Any]]) -> None:
+    """eval/curve.json of the plateau run (validation tau of every export) and the rule's verdict."""
+    run = ROOT / kind / "plateau"
     curve = []
-    for d in drafts:
+    for d in checkpoints(run, "sft"):
         e = taus[str(d)]
         curve.append(
             {"draft": str(d), "flops": training_flops(d), "tau": e["tau"], "tau_ci": e["tau_ci"], "n": e["n"]}
@@ -181,7 +182,7 @@ def arms(args: argparse.Namespace) -> None:
             if final_draft(run) is not None:
                 print(f"[arms] {run}: done")
                 continue
-            extra = [f"draft={args.kind}", f"seed={seed}", *ARMS[arm]]
+            extra = [f"draft={args.kind}", f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
             if arm == "sft":
                 opd = arm_dir(args.kind, "opd", seed)
                 if final_draft(opd) is None:
@@ -213,7 +214,13 @@ def evaluate_arms(args: argparse.Namespace) -> None:
     drafts = [branch] + [final_draft(r) for r in runs]
     target = str(ensure_embedded_target())
     sets = args.sets.split(",")
-    taus = measure(target, args.kind, drafts, sets, args.eval_prompts, args.max_new_tokens)  # type: ignore[arg-type]
+    exports = [d for d in checkpoints(ROOT / args.kind / "plateau", "sft") if d != branch]
+    taus: dict[str, dict[str, Any]] = {}
+    for s in sets:  # the plateau's other exports ride along on the validation set
+        extra = exports if s == "validation" else []
+        taus |= measure(target, args.kind, [*drafts, *extra], [s], args.eval_prompts, args.max_new_tokens)  # type: ignore[list-item]
+    if "validation" in sets:
+        plateau_curve(args.kind, taus["validation"])
     for run, draft in zip(runs, drafts[1:]):
         report: dict[str, Any] = {
             "target": target,
@@ -248,10 +255,10 @@ def main() -> None:
     p = sub.add_parser("plateau")
     p.add_argument("--tokens", type=int, default=1_280_000, help="SFT budget in trained tokens")
     p.add_argument("--doublings", type=int, default=4, help="exports at budget/2, /4, ...")
-    p.add_argument("--val-prompts", type=int, default=32)
     a = sub.add_parser("arms")
     a.add_argument("--arms", default="opd,sft,sft_rollouts")
     a.add_argument("--seeds", default="0")
+    a.add_argument("--steps", type=int, default=30, help="Draft-OPD learner steps of the opd-loop arms")
     e = sub.add_parser("eval")
     e.add_argument("--sets", default="validation,mtbench,humaneval")
     e.add_argument("--eval-prompts", type=int, default=40)

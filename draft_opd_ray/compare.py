@@ -12,6 +12,7 @@ Bad input exits with code 2 and one `error: ...` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -42,6 +43,7 @@ class Run:
     report: dict[str, Any]
     flops: float | None = None
     curve: list[dict[str, float]] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)  # empty when the run dir names its arm (an `arm` file)
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -121,11 +123,11 @@ def load_run(path: Path) -> Run:
     overrides = _load(path / ".hydra" / "overrides.yaml", _read_yaml, []) or []
     config = _load(path / ".hydra" / "config.yaml", _read_yaml, {})
     seed = config.get("seed", 0) if isinstance(config, dict) else 0
+    named, listed = (path / "arm").is_file(), [str(o) for o in overrides]
     return Run(
         path=path,
-        arm=(path / "arm").read_text().strip()
-        if (path / "arm").is_file()
-        else arm_name([str(o) for o in overrides]),
+        arm=(path / "arm").read_text().strip() if named else arm_name(listed),
+        overrides=[] if named else listed,
         seed=int(seed or 0),
         report=report,
         flops=train_flops(_load(path / "metrics.jsonl", read_metrics, [])),
@@ -313,11 +315,24 @@ def plot_tau_vs_compute(runs: Sequence[Run], result: dict[str, Any], out: Path) 
     return path
 
 
+def distinct_arms(runs: Sequence[Run]) -> list[Run]:
+    """Arm names from the overrides that differ between runs: those every run shares (the target, the draft,
+    a sweep's fixed settings) name no arm."""
+    listed = [r for r in runs if r.overrides]
+    shared = set.intersection(*(set(r.overrides) for r in listed)) if len(listed) > 1 else set()
+    return [
+        dataclasses.replace(r, arm=arm_name([o for o in r.overrides if o not in shared]))
+        if r.overrides
+        else r
+        for r in runs
+    ]
+
+
 def run_compare(
     paths: Sequence[str | Path], *, out: str | Path, dataset: str | None = None, baseline: str | None = None
 ) -> dict[str, Any]:
     """Read the runs, compute, write `compare.{md,json}` and the plots to ``out``; returns the numbers."""
-    runs = [load_run(p) for p in find_runs(paths)]
+    runs = distinct_arms([load_run(p) for p in find_runs(paths)])
     result = compare(runs, dataset=dataset, baseline=baseline)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -199,3 +199,15 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys: pytest.Ca
     good = write_run(tmp_path / "good", A0, overrides=[])
     assert "--baseline 'x': no such arm" in _fails([str(good), "--baseline", "x", *out], capsys)
     assert "no dataset 'gsm8k' (has: mtbench)" in _fails([str(good), "--dataset", "gsm8k", *out], capsys)
+
+
+def test_arms_are_named_by_the_overrides_that_differ() -> None:
+    from draft_opd_ray.compare import Run, distinct_arms
+
+    def run(*ov: str) -> Run:
+        return Run(path=Path("."), arm="", seed=0, report={}, overrides=list(ov))
+
+    got = distinct_arms([run("target.path=t", "x=1", "seed=0"), run("target.path=t", "x=2", "seed=1")])
+    assert [r.arm for r in got] == ["x=1", "x=2"]
+    named = Run(path=Path("."), arm="opd", seed=0, report={})
+    assert distinct_arms([named])[0].arm == "opd"
