@@ -80,12 +80,6 @@ def training_flops(ckpt: Path) -> float:
     return float(f.get("flops_draft", 0.0)) + float(f.get("flops_target", 0.0))
 
 
-def last_flops(run_dir: Path) -> float:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if "flops_draft" in r]
-    return float(rows[-1]["flops_draft"]) + float(rows[-1].get("flops_target", 0.0))
-
-
 def eval_prompts(name: str, n: int, target: str) -> list[list[int]]:
     from draft_opd_ray.data.prompts import prompt_ids
 
@@ -189,7 +183,7 @@ def arms(args: argparse.Namespace) -> None:
                     raise SystemExit(f"the sft arm matches the FLOPs of {opd}: run the opd arm first")
                 extra += [
                     f"sft.start_from={branch}",
-                    f"sft.max_flops={last_flops(opd)}",
+                    f"sft.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
                     "sft.train_tokens=null",
                     "sft.epochs=1000",
                     "sft.reuse=false",
@@ -236,7 +230,7 @@ def evaluate_arms(args: argparse.Namespace) -> None:
             report["datasets"][s] = entry
         (run / "eval").mkdir(exist_ok=True)
         (run / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        flops = last_flops(run)
+        flops = training_flops(draft)  # type: ignore[arg-type]
         first = sets[0]
         curve = [
             {"flops": 0.0, "tau": taus[first][str(branch)]["tau"], "n": taus[first][str(branch)]["n"]},

@@ -32,6 +32,12 @@ def lr_factor(progress: float, warmup: float, schedule: str, floor: float = LR_F
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x))
 
 
+def update_lr_factor(update: int, total: int, warmup: float, schedule: str) -> float:
+    """The factor of the peak lr at optimizer update ``update`` (0-based) of ``total``: the first update already
+    moves (progress 1/total), the last one sits at the floor."""
+    return lr_factor((update + 1) / max(1, total), warmup, schedule)
+
+
 def trainable_parameters(model: Any, kind: str, train_lm_head: bool) -> list[Any]:
     """Set which weights train (module docstring) and return them."""
     if draft_kind(kind).lm_head_option:

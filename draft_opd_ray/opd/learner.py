@@ -29,7 +29,7 @@ from draft_opd_ray.algo.loss import (
 )
 from draft_opd_ray.distributed import init_process_group
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
-from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
+from draft_opd_ray.optim import build_engine, trainable_parameters, update_lr_factor
 
 
 def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
@@ -97,7 +97,7 @@ class Learner:
             zero_stage=zero_stage,
             dtype=dtype,
             grad_clip=grad_clip,
-            lr_lambda=lambda s: lr_factor(s / max(1, total_steps), warmup_ratio, schedule),
+            lr_lambda=lambda s: update_lr_factor(s, total_steps, warmup_ratio, schedule),
         )
         self.version = 0
         ids = self.student.draft_ids

@@ -9,7 +9,7 @@ import pytest
 from draft_opd_ray.config.schema import Config, DraftConfig
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models.kinds import check_draft_config
-from draft_opd_ray.optim import LR_FLOOR, deepspeed_config, lr_factor, trainable_parameters
+from draft_opd_ray.optim import LR_FLOOR, deepspeed_config, lr_factor, trainable_parameters, update_lr_factor
 
 
 def _names(model, params) -> set[str]:
@@ -49,11 +49,12 @@ def test_opd_schedule_does_not_jump_above_where_sft_ended() -> None:
     sft_last = cfg.sft.lr * lr_factor(1.0, cfg.optim.warmup_ratio, cfg.optim.schedule)
     assert sft_last == pytest.approx(cfg.sft.lr * LR_FLOOR)
     total = cfg.opd.steps * cfg.learner.mini_batches
+    o = cfg.optim
     lrs = [
-        cfg.optim.lr * lr_factor(s / total, cfg.optim.warmup_ratio, cfg.optim.schedule) for s in range(total)
-    ]
+        o.lr * update_lr_factor(s, total, o.warmup_ratio, o.schedule) for s in range(total)
+    ]  # the learner's
     assert max(lrs) <= sft_last * (1 + 1e-9)
-    assert lrs[0] < 0.2 * sft_last
+    assert 0 < lrs[0] < 0.2 * sft_last
     assert all(b >= a for a, b in zip(lrs, lrs[1 : max(1, int(total * cfg.optim.warmup_ratio))]))
 
 
