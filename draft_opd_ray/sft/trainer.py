@@ -306,6 +306,37 @@ def run_sft(
     return final
 
 
+def _budget_spent(state: TrainState, sft: SFTConfig, out_of_time: bool, max_steps: int | None) -> bool:
+    """Whether any budget has ended: trained tokens, FLOPs, the wall-clock cap, or the test cap on steps."""
+    return (
+        out_of_time
+        or (max_steps is not None and state.step >= max_steps)
+        or (sft.max_flops is not None and state.flops_draft + state.flops_target >= sft.max_flops)
+        or (sft.train_tokens is not None and state.tokens >= sft.train_tokens)
+    )
+
+
+def _step_row(
+    state: TrainState, loss: float, m: dict[str, float], lr: float, ntok: int, padded: int, dt: float
+) -> dict[str, Any]:
+    """One metrics.jsonl row of a training step."""
+    return {
+        "stage": "sft",
+        "step": state.step,
+        "time": time.time(),
+        "loss": loss,
+        **m,
+        "lr": lr,
+        "tokens_per_s": ntok / dt,
+        "padded_tokens_per_s": padded / dt,
+        "tokens": state.tokens,
+        "epoch": state.epoch,
+        "budget_min": state.budget_s_used / 60,
+        "flops_draft": state.flops_draft,
+        "flops_target": state.flops_target,
+    }
+
+
 def _train(
     engine: Any,
     opt: Any,
@@ -330,9 +361,7 @@ def _train(
     dtype = _DTYPES[resolve_dtype(learner.dtype)]
     start_used, wall0 = state.budget_s_used, time.monotonic()
     pending = sorted(t for t in sft.curve_tokens if t > state.tokens)
-    flops0 = (
-        0.0 if state.step else state.flops_draft + state.flops_target
-    )  # the cached features' target FLOPs
+    flops0 = 0.0 if state.step else state.flops_draft + state.flops_target  # the cached features' FLOPs
     lengths = [source.length(i) for i in range(len(source))]
     steps_per_epoch = len(length_batches(lengths, sft.batch_tokens, seed))
     total_steps = (
@@ -352,11 +381,7 @@ def _train(
         batches = length_batches(lengths, sft.batch_tokens, seed + state.epoch)
         while state.batch_in_epoch < len(batches):
             used = start_used + (time.monotonic() - wall0)
-            if used >= budget_s or (max_steps is not None and state.step >= max_steps):
-                break
-            if sft.max_flops is not None and state.flops_draft + state.flops_target >= sft.max_flops:
-                break
-            if sft.train_tokens is not None and state.tokens >= sft.train_tokens:
+            if _budget_spent(state, sft, used >= budget_s, max_steps):
                 break
             progress_frac = schedule_progress(
                 state.step,
@@ -389,16 +414,7 @@ def _train(
             if charge_target:
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
-            rec = {"stage": "sft", "step": state.step, "time": time.time(), "loss": float(loss.detach()), **m}
-            rec |= {
-                "lr": lr,
-                "tokens_per_s": ntok / dt,
-                "padded_tokens_per_s": B * T / dt,
-                "tokens": state.tokens,
-            }
-            rec |= {"epoch": state.epoch, "budget_min": state.budget_s_used / 60}
-            rec |= {"flops_draft": state.flops_draft, "flops_target": state.flops_target}
-            emit(rec)
+            emit(_step_row(state, float(loss.detach()), m, lr, ntok, B * T, dt))
             bar.update(ntok if by_tokens else 1)
             bar.set_postfix(
                 step=state.step,
