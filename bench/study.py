@@ -199,48 +199,79 @@ def arms(args: argparse.Namespace) -> None:
 
 
 def evaluate_arms(args: argparse.Namespace) -> None:
-    from draft_opd_ray.compare import run_compare
-    from draft_opd_ray.eval.stats import paired_diff
+    """Measure the branch point and the arms matching ``--only`` (every checkpoint of each: its tau-vs-FLOPs
+    curve), write each measured arm's report and curve, then compare every arm that has a report."""
     from draft_opd_ray.models.target import ensure_embedded_target
 
     branch = branch_point(args.kind)
-    runs = sorted(p for p in (ROOT / args.kind / "arms").glob("*_s*") if final_draft(p) is not None)
-    drafts = [branch] + [final_draft(r) for r in runs]
+    arms_dir = ROOT / args.kind / "arms"
+    runs = sorted(p for p in arms_dir.glob(args.only) if final_draft(p) is not None)
+    ckpts = {r: checkpoints(r, "opd") or checkpoints(r, "sft") for r in runs}
+    drafts = [branch] + [d for r in runs for d in ckpts[r]]
     target = str(ensure_embedded_target())
     sets = args.sets.split(",")
-    exports = [d for d in checkpoints(ROOT / args.kind / "plateau", "sft") if d != branch]
+    exports = (
+        [d for d in checkpoints(ROOT / args.kind / "plateau", "sft") if d != branch] if args.exports else []
+    )
     taus: dict[str, dict[str, Any]] = {}
     for s in sets:  # the plateau's other exports ride along on the validation set
         extra = exports if s == "validation" else []
-        taus |= measure(target, args.kind, [*drafts, *extra], [s], args.eval_prompts, args.max_new_tokens)  # type: ignore[list-item]
-    if "validation" in sets:
+        taus |= measure(target, args.kind, [*drafts, *extra], [s], args.eval_prompts, args.max_new_tokens)
+    if "validation" in sets and exports:
         plateau_curve(args.kind, taus["validation"])
-    for run, draft in zip(runs, drafts[1:]):
-        report: dict[str, Any] = {
-            "target": target,
-            "draft": str(draft),
-            "draft_before": str(branch),
-            "datasets": {},
-        }
-        for s in sets:
-            before, after = taus[s][str(branch)], taus[s][str(draft)]
-            entry = dict(after)
-            entry["before"] = before
-            entry["paired"] = {"before": paired_diff(after["per_prompt"], before["per_prompt"])}
-            report["datasets"][s] = entry
-        (run / "eval").mkdir(exist_ok=True)
-        (run / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        flops = training_flops(draft)  # type: ignore[arg-type]
-        first = sets[0]
-        curve = [
-            {"flops": 0.0, "tau": taus[first][str(branch)]["tau"], "n": taus[first][str(branch)]["n"]},
-            {"flops": flops, "tau": taus[first][str(draft)]["tau"], "n": taus[first][str(draft)]["n"]},
-        ]
-        (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
+    for run in runs:
+        _arm_report(run, branch, ckpts[run], target, sets, taus)
+    _compare_all(args, sets)
+
+
+def _arm_report(
+    run: Path, branch: Path, ckpts: list[Path], target: str, sets: list[str], taus: dict[str, dict[str, Any]]
+) -> None:
+    """eval/report.json (the final draft on every set, paired against the branch point) and eval/curve.json
+    (tau on the first set at the branch point and at every checkpoint, by training FLOPs)."""
+    from draft_opd_ray.eval.stats import paired_diff
+
+    draft = ckpts[-1]
+    report: dict[str, Any] = {
+        "target": target,
+        "draft": str(draft),
+        "draft_before": str(branch),
+        "datasets": {},
+    }
     for s in sets:
-        run_compare(
-            [str(r) for r in runs], out=ROOT / args.kind / "compare" / s, dataset=s, baseline=args.baseline
+        before, after = taus[s][str(branch)], taus[s][str(draft)]
+        entry = dict(after)
+        entry["before"] = before
+        entry["paired"] = {"before": paired_diff(after["per_prompt"], before["per_prompt"])}
+        report["datasets"][s] = entry
+    (run / "eval").mkdir(exist_ok=True)
+    (run / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    first = taus[sets[0]]
+    curve = [{"flops": 0.0, "tau": first[str(branch)]["tau"], "n": first[str(branch)]["n"]}]
+    for d in ckpts:
+        e = first[str(d)]
+        curve.append(
+            {
+                "flops": training_flops(d),
+                "tau": e["tau"],
+                "n": e["n"],
+                "checkpoint": d.parent.name,
+                "paired_before": paired_diff(e["per_prompt"], first[str(branch)]["per_prompt"]),
+            }
         )
+    (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
+
+
+def _compare_all(args: argparse.Namespace, sets: list[str]) -> None:
+    from draft_opd_ray.compare import run_compare
+
+    arms_dir = ROOT / args.kind / "arms"
+    reported = sorted(str(p) for p in arms_dir.glob("*_s*") if (p / "eval" / "report.json").is_file())
+    for s in sets:
+        have = [
+            r for r in reported if s in json.loads((Path(r) / "eval" / "report.json").read_text())["datasets"]
+        ]
+        run_compare(have, out=ROOT / args.kind / "compare" / s, dataset=s, baseline=args.baseline)
 
 
 def main() -> None:
@@ -257,6 +288,10 @@ def main() -> None:
     e.add_argument("--sets", default="validation,mtbench,humaneval")
     e.add_argument("--eval-prompts", type=int, default=40)
     e.add_argument("--baseline", default="sft")
+    e.add_argument("--only", default="*_s*", help="the arm run dirs to measure (a glob under arms/)")
+    e.add_argument(
+        "--exports", action="store_true", help="also the plateau's exports (its curve, validation)"
+    )
     for q in (p, a, e):
         q.add_argument("--kind", default="eagle3")
         q.add_argument("--max-new-tokens", type=int, default=256)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @functools.cache
@@ -26,3 +30,12 @@ def resolve_dtype(dtype: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if fast_bfloat16() else "float32"
+
+
+def actor_device() -> torch.device:
+    """The device of this process's work: its GPU where Ray gave it one (Ray sets CUDA_VISIBLE_DEVICES per
+    actor, so that GPU is ``cuda:0``), the CPU elsewhere. The one place the roles ask, instead of ``"cuda"`` and
+    ``"cpu"`` literals in every file."""
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -4,20 +4,30 @@
     sft       warm start (or baseline) of the draft                      -> checkpoints/sft/...
     opd       the Draft-OPD loop on Ray (draft_opd_ray.opd.loop)          -> checkpoints/opd/...
     eval      τ, per-position acceptance, speed-up, ngram beside it       -> eval/report.{json,md}, plots
+Around the stages that run on Ray (RAY_STAGES): connect, check cluster.storage_dir, reserve the plan
+(draft_opd_ray.cluster); the reservation is released and Ray shut down after the last stage.
 Everything heavy starts only after the config and the data have been checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draft_opd_ray.config.schema import Config, PromptSetConfig
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan
+
+if TYPE_CHECKING:
+    from draft_opd_ray.cluster import Reservation
+
+# Stages whose actors run on Ray: the run connects and reserves the plan once, before the first stage.
+RAY_STAGES = ("sft", "opd")
 
 
 def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
@@ -102,22 +112,12 @@ def opd_stage(
     eos: int | None,
     run_dir: Path,
     metrics: MetricsLogger,
+    reservation: Reservation | None,
 ) -> str:
-    """The Draft-OPD loop on Ray (local, or the cluster at `cluster.ray_address`)."""
-    import ray
-
+    """The Draft-OPD loop in the run's reservation (Ray is connected by `run`, around every stage)."""
     from draft_opd_ray.opd.loop import run_opd
 
-    ray.init(
-        address=cfg.cluster.ray_address,
-        num_cpus=None if cfg.cluster.ray_address else int(cfg.cluster.cpus_per_node),
-        include_dashboard=False,
-        ignore_reinit_error=True,
-    )
-    try:
-        out = run_opd(cfg, plan, target, draft, prompts, eos, run_dir, metrics)
-    finally:
-        ray.shutdown()
+    out = run_opd(cfg, plan, target, draft, prompts, eos, run_dir, metrics, reservation=reservation)
     return str(out)
 
 
@@ -162,9 +162,27 @@ def eval_stage(
             )
 
 
+def ray_session(
+    cfg: Config, plan: PlacementPlan, run_dir: Path
+) -> AbstractContextManager[Reservation | None]:
+    """Ray around the stages that need it: connected, storage checked and the plan reserved before the first
+    stage (so a cluster that cannot run the plan fails before any model loads), released after the last."""
+    if not set(RAY_STAGES) & set(cfg.stages):
+        return contextlib.nullcontext()
+    from draft_opd_ray.cluster import session
+
+    return session(cfg, plan, run_dir)
+
+
 def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
+    with ray_session(cfg, plan, rd) as reservation:
+        run_stages(cfg, plan, rd, reservation)
+    print(f"[done] run directory: {rd}", flush=True)
+
+
+def run_stages(cfg: Config, plan: PlacementPlan, rd: Path, reservation: Reservation | None) -> None:
     target, tokenizer, info = prepare_target(cfg)
     train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
     held_out = (
@@ -185,14 +203,17 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
         if "sft" in cfg.stages:
             from draft_opd_ray.sft.stage import run_sft_stage
 
-            draft = str(run_sft_stage(cfg, target=target, prompts=train, run_dir=rd, metrics=metrics))
+            draft = str(
+                run_sft_stage(
+                    cfg, target=target, prompts=train, run_dir=rd, metrics=metrics, reservation=reservation
+                )
+            )
         if "opd" in cfg.stages:
             start_draft = draft = draft or initial_draft(cfg, target, rd)
             draft = opd_stage(
-                cfg, plan, target, draft, opd_prompts(cfg, train), info.eos_token_id, rd, metrics
+                cfg, plan, target, draft, opd_prompts(cfg, train), info.eos_token_id, rd, metrics, reservation
             )
         if "eval" in cfg.stages:
             eval_stage(cfg, target, draft, start_draft, held_out, info.eos_token_id, rd, metrics)
     finally:
         metrics.close()
-    print(f"[done] run directory: {rd}", flush=True)

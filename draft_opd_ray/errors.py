@@ -16,3 +16,11 @@ class DataError(DraftOPDError):
 
 class ModelError(DraftOPDError):
     """A target or draft model folder is missing or does not match the other model."""
+
+
+class RefitError(DraftOPDError):
+    """A receiver does not serve the draft weights just published (wrong version or different values)."""
+
+
+class ClusterError(DraftOPDError):
+    """The Ray cluster cannot run the plan: unreachable, too small, or its storage is not shared."""

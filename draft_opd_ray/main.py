@@ -2,7 +2,9 @@
 
 Composes the Hydra config, validates it (typed nodes, cross-field checks, placement), then either prints
 the placement plan (`dry_run=true`, no Ray, no model) or runs the requested stages in Hydra's run dir.
-Config and data errors exit with code 2 and one line naming the key; nothing heavy has started by then.
+Config and data errors exit with code 2 and one line naming the key; nothing heavy has started by then. So do
+cluster errors (an unreachable head, a plan the live nodes cannot hold, storage some node does not see): the
+driver reaches Ray before the first stage loads a model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import register_configs, to_config
-from draft_opd_ray.config.validate import validate
+from draft_opd_ray.config.validate import check_run_dir, validate
 from draft_opd_ray.errors import DraftOPDError
 from draft_opd_ray.placement import PlacementPlan
 
@@ -50,9 +52,11 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
     from draft_opd_ray.driver import run
 
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        run(cfg, plan, run_dir=HydraConfig.get().runtime.output_dir)
-    except DraftOPDError as e:  # bad input found once the target is resolved (a draft of another target, ...)
+        check_run_dir(cfg, run_dir)
+        run(cfg, plan, run_dir=run_dir)
+    except DraftOPDError as e:  # bad input found once the target is resolved or the cluster is reached
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 

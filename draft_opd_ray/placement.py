@@ -28,6 +28,12 @@ class ActorSlot:
     gpus: tuple[int, ...]  # GPU indices on that node (empty on CPU clusters)
     cpus: float
     holds: str  # what the actor keeps in memory
+    share: float = 1.0  # of each of its GPUs (< 1: it shares one GPU with other actors)
+
+    @property
+    def gpu_share(self) -> float:
+        """The Ray GPU resource this actor asks for: whole GPUs, or its share of one."""
+        return len(self.gpus) * self.share if self.gpus else 0.0
 
 
 @dataclass
@@ -47,10 +53,10 @@ class PlacementPlan:
         """Ray placement-group bundles, one per actor in plan order: of ``role``, or of every actor but the
         driver (which runs outside the group)."""
         slots = [s for s in self.slots if (s.role == role if role else s.role != DRIVER)]
-        return [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
+        return [{"CPU": s.cpus, **({"GPU": s.gpu_share} if s.gpus else {})} for s in slots]
 
     def gpus_used(self) -> int:
-        return sum(len(s.gpus) for s in self.slots)
+        return len({(s.node, g) for s in self.slots for g in s.gpus})
 
     def render(self) -> str:
         lines = [
@@ -60,6 +66,7 @@ class PlacementPlan:
         ]
         for s in self.slots:
             gpus = ",".join(map(str, s.gpus)) if s.gpus else "-"
+            gpus += f" ({s.share:g})" if s.gpus and s.share < 1 else ""
             lines.append(f"  {s.role:<8} {s.index:>4} {s.node:>4}  {gpus:<14} {s.cpus:>5g}  {s.holds}")
         total_gpus = self.num_nodes * self.gpus_per_node
         lines.append(f"  vLLM:      {self.vllm_layout}")
@@ -70,12 +77,29 @@ class PlacementPlan:
 
 class _Node:
     def __init__(self, idx: int, gpus: int, cpus: float) -> None:
-        self.idx, self.free_gpus, self.free_cpus = idx, list(range(gpus)), cpus
+        self.idx, self.free, self.free_cpus = idx, [1.0] * gpus, cpus  # free share of each GPU
 
-    def take(self, gpus: int, cpus: float) -> tuple[int, ...] | None:
-        if len(self.free_gpus) < gpus or self.free_cpus + 1e-9 < cpus:
+    @property
+    def free_gpus(self) -> list[int]:
+        return [g for g, f in enumerate(self.free) if f > 1 - 1e-9]
+
+    def take(self, gpus: int, cpus: float, share: float = 1.0) -> tuple[int, ...] | None:
+        """``gpus`` whole GPUs, or (``share`` < 1) that share of one GPU: the fullest one it still fits."""
+        if self.free_cpus + 1e-9 < cpus:
             return None
-        got, self.free_gpus = tuple(self.free_gpus[:gpus]), self.free_gpus[gpus:]
+        if share < 1 and gpus:
+            fits = [g for g, f in enumerate(self.free) if f + 1e-9 >= share]
+            if not fits:
+                return None
+            got: tuple[int, ...] = (min(fits, key=lambda g: (self.free[g], g)),)
+            self.free[got[0]] -= share
+        else:
+            whole = self.free_gpus
+            if len(whole) < gpus:
+                return None
+            got = tuple(whole[:gpus])
+            for g in got:
+                self.free[g] = 0.0
         self.free_cpus -= cpus
         return got
 
@@ -91,20 +115,27 @@ def build_plan(c: ClusterConfig, *, draft_kind: str, zero_stage: int) -> Placeme
             f"cluster.rollout_tensor_parallel: {rollout_tensor_parallel} GPUs per engine do not fit a node "
             f"of {gpus_per_node} GPUs"
         )
-    need = rollout_engines * rollout_tensor_parallel + replay_actors + learner_ranks
-    if gpu and need > num_nodes * gpus_per_node:
+    need = (
+        rollout_engines * rollout_tensor_parallel * c.gpus_per_rollout
+        + replay_actors * c.gpus_per_replay
+        + learner_ranks * c.gpus_per_learner
+    )
+    if gpu and need > num_nodes * gpus_per_node + 1e-9:
         raise ConfigError(
-            f"cluster: the actors need {need} GPUs (rollout {rollout_engines}x{rollout_tensor_parallel}, "
+            f"cluster: the actors need {need:g} GPUs (rollout {rollout_engines}x{rollout_tensor_parallel}, "
             f"replay {replay_actors}, learner {learner_ranks}) but the cluster has "
             f"{num_nodes}x{gpus_per_node} = {num_nodes * gpus_per_node}"
         )
     nodes = [_Node(i, gpus_per_node, cpus_per_node) for i in range(num_nodes)]
     zero = f"ZeRO-{zero_stage} shard 1/{learner_ranks}" if zero_stage > 0 else "full replica"
     wants = (
-        [(ROLLOUT, i, rollout_tensor_parallel, c.cpus_per_rollout) for i in range(rollout_engines)]
-        + [(REPLAY, i, 1, c.cpus_per_replay) for i in range(replay_actors)]
-        + [(LEARNER, i, 1, c.cpus_per_learner) for i in range(learner_ranks)]
-        + [(DRIVER, 0, 0, c.cpus_for_driver)]
+        [
+            (ROLLOUT, i, rollout_tensor_parallel, c.cpus_per_rollout, c.gpus_per_rollout)
+            for i in range(rollout_engines)
+        ]
+        + [(REPLAY, i, 1, c.cpus_per_replay, c.gpus_per_replay) for i in range(replay_actors)]
+        + [(LEARNER, i, 1, c.cpus_per_learner, c.gpus_per_learner) for i in range(learner_ranks)]
+        + [(DRIVER, 0, 0, c.cpus_for_driver, 1.0)]
     )
     features = kinds.draft_kind(draft_kind).feature_conditioned
     holds = {
@@ -114,12 +145,14 @@ def build_plan(c: ClusterConfig, *, draft_kind: str, zero_stage: int) -> Placeme
         DRIVER: "queues, anchor selection, checkpoints, metrics",
     }
     plan = PlacementPlan(c.name, num_nodes, gpus_per_node, cpus_per_node)
-    for role, idx, n_gpu, cpus in wants:
+    for role, idx, n_gpu, cpus, share in wants:
         n_gpu = n_gpu if gpu else 0
         for node in nodes:
-            got = node.take(n_gpu, cpus)
+            got = node.take(n_gpu, cpus, share)
             if got is not None:
-                plan.slots.append(ActorSlot(role, idx, node.idx, got, cpus, holds[role]))
+                plan.slots.append(
+                    ActorSlot(role, idx, node.idx, got, cpus, holds[role], share if got else 1.0)
+                )
                 break
         else:
             raise ConfigError(

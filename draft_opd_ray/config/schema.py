@@ -42,9 +42,34 @@ class ClusterConfig:
     cpus_per_replay: float = 0.4
     cpus_per_learner: float = 0.6
     cpus_for_driver: float = 0.2
+    # GPU share of each actor on a GPU cluster: 1 = whole GPUs; a fraction < 1 lets actors share one GPU (a vLLM
+    # engine then keeps to rollout.gpu_memory_utilization of it). A tensor-parallel engine takes whole GPUs.
+    gpus_per_rollout: float = 1.0
+    gpus_per_replay: float = 1.0
+    gpus_per_learner: float = 1.0
+    connect_timeout_s: float = 60.0  # reaching the Ray cluster
+    reserve_timeout_s: float = 60.0  # placing the plan's actors (a plan that cannot fit fails after this)
+    # A directory every node mounts at the same path (NFS, Lustre, ...): the run dir, the cache and the
+    # checkpoints live under it. Required when num_nodes > 1; cache_dir then defaults to <storage_dir>/cache.
+    storage_dir: str | None = None
 
     def __post_init__(self) -> None:
         k = "cluster"
+        for name in ("gpus_per_rollout", "gpus_per_replay", "gpus_per_learner"):
+            v = getattr(self, name)
+            _check(0 < v <= 1, f"{k}.{name}", f"must be in (0, 1] (a share of one GPU), got {v}")
+        _check(
+            self.gpus_per_rollout == 1 or self.rollout_tensor_parallel == 1,
+            f"{k}.gpus_per_rollout",
+            "a tensor-parallel engine takes whole GPUs (set it to 1 or rollout_tensor_parallel to 1)",
+        )
+        for name in ("connect_timeout_s", "reserve_timeout_s"):
+            _check(getattr(self, name) > 0, f"{k}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(
+            self.storage_dir is None or self.storage_dir.startswith("/"),
+            f"{k}.storage_dir",
+            f"must be an absolute path (every node resolves it alike), got {self.storage_dir!r}",
+        )
         _check(self.num_nodes >= 1, f"{k}.num_nodes", f"must be >= 1, got {self.num_nodes}")
         _check(self.gpus_per_node >= 0, f"{k}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         _check(self.cpus_per_node > 0, f"{k}.cpus_per_node", f"must be > 0, got {self.cpus_per_node}")
@@ -167,12 +192,12 @@ class RolloutConfig:
     prompts_per_round: int = 16  # per worker, between two weight swaps
     kvcache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = 0.5
-    # draft-weight transport to the workers: auto = shm_file on one node (one file per version, shared by
-    # every engine), object_store across nodes (weight_sync.py)
+    # draft-weight transport to the workers: auto = nccl on a GPU cluster (nccl_sync.py), else shm_file on one
+    # node (one file per version, shared by every engine), object_store across nodes (weight_sync.py)
     weight_sync: str = "auto"
 
     def __post_init__(self) -> None:
-        _one_of(self.weight_sync, "rollout.weight_sync", ("auto", "shm_file", "object_store"))
+        _one_of(self.weight_sync, "rollout.weight_sync", ("auto", "shm_file", "object_store", "nccl"))
         _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
@@ -449,3 +474,5 @@ class Config:
         _check(len(set(self.stages)) == len(self.stages), "stages", f"lists a stage twice: {self.stages}")
         order = [s for s in STAGES if s in self.stages]
         _check(order == list(self.stages), "stages", f"must keep the order {list(STAGES)}, got {self.stages}")
+        if self.cache_dir is None and self.cluster.storage_dir is not None:
+            self.cache_dir = f"{self.cluster.storage_dir.rstrip('/')}/cache"  # every node sees the same cache

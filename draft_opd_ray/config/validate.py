@@ -95,8 +95,33 @@ def _check_training(cfg: Config) -> None:
         )
 
 
+def _check_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    if c.num_nodes > 1 and c.storage_dir is None:
+        raise ConfigError(
+            f"cluster.storage_dir: a {c.num_nodes}-node cluster needs a directory every node mounts at the same "
+            "path (run dir, cache, checkpoints); set cluster.storage_dir=/shared/path"
+        )
+
+
+def check_run_dir(cfg: Config, run_dir: str | Path) -> None:
+    """With `cluster.storage_dir`, the run dir must be under it: the actors on other nodes write there. The
+    multi-node cluster groups put Hydra's run and sweep dirs under it; an explicit `hydra.run.dir` elsewhere
+    is refused rather than moved (Hydra has already written its config there)."""
+    store = cfg.cluster.storage_dir
+    if store is None:
+        return
+    rd, root = Path(run_dir).resolve(), Path(store).resolve()
+    if rd != root and root not in rd.parents:
+        raise ConfigError(
+            f"hydra.run.dir: {run_dir} is not under cluster.storage_dir ({store}), so the other nodes cannot "
+            f"see it; set hydra.run.dir={store}/<name>"
+        )
+
+
 def validate(cfg: Config) -> PlacementPlan:
     """All cross-node checks; returns the placement plan (itself a check that the actors fit)."""
+    _check_cluster(cfg)
     _check_draft(cfg)
     _check_training(cfg)
     _check_lengths(cfg)

@@ -9,8 +9,10 @@ the last committed token before a block, block position k = 1..K has context x_{
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +43,21 @@ class TeacherItem:
         None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
     )
     teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
+
+    def to(self, device: torch.device | str) -> TeacherItem:
+        """The same item with every tensor on ``device`` (a no-op where they already are)."""
+        moved: dict[str, Any] = {
+            f.name: v.to(device) if isinstance(v, torch.Tensor) else v
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return TeacherItem(**moved)
+
+    def scored_tokens(self) -> int:
+        """Tokens the replay forward scored: the sequence plus every anchor's branch (what a replay actor's or
+        learner rank's share is balanced by)."""
+        branch = (self.valid_len - self.accepted - 1).clamp(min=0)
+        return int(len(self.input_ids) + branch.sum())
 
 
 def committed_blocks(t: TeacherItem) -> torch.Tensor:
@@ -103,3 +120,28 @@ def branch_mask(length: int, stream_len: int, spans: Sequence[tuple[int, int, in
         allowed[start : start + n, : last + 1] = True
         allowed[start : start + n, start : start + n] = torch.ones(n, n).tril().bool()
     return torch.zeros(length, length).masked_fill(~allowed, float("-inf"))
+
+
+def balanced_shards(weights: Sequence[float], parts: int) -> list[list[int]]:
+    """Indices 0..len(weights)-1 split into ``parts`` shards of about equal total weight (longest first onto the
+    lightest shard), each in ascending order; shards may be empty when there are fewer items than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    load = [0.0] * parts
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(weights)), key=lambda j: (-weights[j], j)):
+        s = min(range(parts), key=lambda p: (load[p], p))
+        shards[s].append(i)
+        load[s] += weights[i]
+    return [sorted(s) for s in shards]
+
+
+def replay_cost(it: ReplayItem) -> int:
+    """Tokens the replay forward of ``it`` scores: the sequence plus every anchor's rejected branch."""
+    branch = sum(max(0, len(y) - a - 1) for y, a in zip(it.drafted, it.accepted))
+    return len(it.input_ids) + branch
+
+
+def learner_cost(t: TeacherItem) -> int:
+    """The student's work on one sequence: its block positions (plus the sequence the features cover)."""
+    return int(t.valid_len.sum()) + len(t.input_ids)

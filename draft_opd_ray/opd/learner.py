@@ -27,7 +27,8 @@ from draft_opd_ray.algo.loss import (
     objective_terms,
     sft_terms,
 )
-from draft_opd_ray.distributed import init_process_group
+from draft_opd_ray.device import actor_device
+from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
 from draft_opd_ray.optim import build_engine, trainable_parameters, update_lr_factor
 
@@ -75,15 +76,21 @@ class Learner:
         train_lm_head: bool = False,
         num_threads: int | None = None,
         backend: str = "auto",
+        rank: int = 0,
+        world_size: int = 1,
+        master: tuple[str, int] | None = None,
     ) -> None:
-        """``dtype``: the resolved `learner.dtype`; ``total_steps``: optimizer updates of the whole run."""
+        """``dtype``: the resolved `learner.dtype`; ``total_steps``: optimizer updates of the whole run.
+        ``rank`` / ``world_size`` / ``master``: this rank of a data-parallel group of ``world_size`` learner
+        actors meeting at rank 0's ``master`` (address, port); one rank needs none."""
         from draft_opd_ray.opd.students import make_student
 
         if objective not in ("opd", "sft_on_rollouts"):
             raise ValueError(f"objective must be 'opd' or 'sft_on_rollouts', got {objective!r}")
         if num_threads:
             torch.set_num_threads(num_threads)
-        init_process_group(backend)
+        init_process_group(backend, rank=rank, world_size=world_size, master=master)
+        self.device = actor_device()
         self.target = target
         self.student = make_student(kind, draft_dir, target)
         self.model = self.student.model
@@ -106,6 +113,7 @@ class Learner:
         if ids is not None:
             self.to_student = torch.full((max(ids) + 1,), -1, dtype=torch.long)
             self.to_student[torch.tensor(ids)] = torch.arange(len(ids))
+            self.to_student = self.to_student.to(self.device)
 
     def step(self, batch: Sequence[TeacherItem], mini_batches: int = 1) -> dict[str, float]:
         """One Draft-OPD step: `mini_batches` optimizer updates over the step's anchors (verl's PPO mini-batches).
@@ -114,7 +122,13 @@ class Learner:
         one optimizer update normalised by its own denominator. The replay forward, which dominates a step's cost,
         is paid once for all of them. `version` counts calls (published weight versions), not updates.
         """
-        groups = split_mini_batches(batch, mini_batches)
+        return self.step_shards(split_mini_batches(batch, mini_batches))
+
+    def step_shards(self, groups: Sequence[Sequence[TeacherItem]]) -> dict[str, float]:
+        """One Draft-OPD step of this rank: one optimizer update per group, of this rank's share of that group
+        (possibly none). Every rank of the group gets the same number of groups; the denominator of each update
+        is summed over the ranks first, so the ranks' gradients add up to the whole group's. Returns this rank's
+        sums (the driver adds the ranks': `LearnerGroup.step`)."""
         rows = [self._update(g) for g in groups]
         self.version += 1
         done = [r for r in rows if "skipped" not in r]
@@ -167,9 +181,10 @@ class Learner:
 
     def _terms(self, b: TeacherItem) -> ObjectiveTerms:
         """This sequence's objective terms (numerator with grad; divide by the global denominator)."""
+        b = b.to(self.device)
         K = b.drafted.shape[1]
         hidden = self.student.block_hidden(b)  # (N, K, H)
-        mask = torch.arange(K)[None, :] < b.valid_len[:, None]  # (N, K)
+        mask = torch.arange(K, device=self.device)[None, :] < b.valid_len[:, None]  # (N, K)
         if self.objective == "sft_on_rollouts":
             labels = self._student_ids(committed_blocks(b))
             keep = mask & (labels >= 0)
@@ -177,37 +192,35 @@ class Learner:
         return objective_terms(self._inputs(b, hidden[mask], mask), b.accepted, b.valid_len, K, self.spec)
 
     def _denominator(self, batch: Sequence[TeacherItem]) -> float:
-        """The global denominator, from the anchors alone (before any forward)."""
+        """This rank's share of the denominator, from the anchors alone (before any forward)."""
         K = batch[0].drafted.shape[1]
         if self.objective == "sft_on_rollouts":
             mask = [torch.arange(K)[None, :] < b.valid_len[:, None] for b in batch]
-            return float(
-                sum(
-                    int((m & (self._student_ids(committed_blocks(b)) >= 0)).sum())
-                    for m, b in zip(mask, batch)
-                )
-            )
+            labels = [self._student_ids(committed_blocks(b).to(self.device)).cpu() for b in batch]
+            return float(sum(int((m & (lab >= 0)).sum()) for m, lab in zip(mask, labels)))
         acc = torch.cat([b.accepted for b in batch])
         valid = torch.cat([b.valid_len for b in batch])
         return denominator(acc, valid, K, self.spec)
 
     def _update(self, batch: Sequence[TeacherItem]) -> dict[str, float]:
-        global_den = self._denominator(batch)
-        if global_den <= 0:
+        (global_den,) = all_reduce_sum([self._denominator(batch) if batch else 0.0])
+        if global_den <= 0:  # the same on every rank: all skip together
             return {"skipped": 1.0}
-        total = None
+        # a rank without data still joins the gradient all-reduce, with zeros
+        total: torch.Tensor = sum(
+            (p.sum() * 0.0 for p in self.engine.module.parameters() if p.requires_grad),
+            torch.zeros((), device=self.device),
+        )
         sums: dict[str, float] = {}
         flops = 0.0
         for b in batch:  # one micro-batch per sequence; gradients add up to the whole-batch gradient
             terms = self._terms(b)
             flops += self.student.flops(b)
-            part = terms.numerator / global_den
-            total = part if total is None else total + part
+            total = total + terms.numerator / global_den
             for k, v in terms.metrics.items():
                 if k.startswith("n_") or k in ("rej_weight",):
                     sums[k] = sums.get(k, 0.0) + float(v)
-        assert total is not None
-        self.engine.backward(total)
+        self.engine.backward(total * world()[1])  # DeepSpeed averages gradients over the data-parallel ranks
         self.engine.step()
         return {
             "loss": float(total.detach()),
@@ -216,6 +229,10 @@ class Learner:
             "flops_draft_step": flops,
             **sums,
         }
+
+    def world_size(self) -> int:
+        """The size of the data-parallel group this rank joined."""
+        return world()[1]
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """The draft's weights in the names its exported folder (and so vLLM's reloader) uses."""
@@ -235,3 +252,20 @@ class Learner:
         self.engine.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+
+    # ---- NCCL weight sync (`opd/nccl_sync.py`): rank 0 is the sender --------------------------------------
+
+    def nccl_endpoint(self) -> tuple[str, int]:
+        from draft_opd_ray.opd.nccl_sync import free_endpoint, require_cuda
+
+        require_cuda("learner")
+        return free_endpoint()
+
+    def nccl_open(self, address: str, port: int, world_size: int) -> None:
+        from draft_opd_ray.opd.nccl_sync import NcclSender
+
+        self._sender = NcclSender(address, port, world_size)
+
+    def nccl_send(self) -> None:
+        """Broadcast the current draft (`rollout_state`, as `nccl_plan` announced it) to every engine rank."""
+        self._sender.send(self.student.rollout_state())

@@ -14,125 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.algo.anchors import select_anchors
-from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
-from draft_opd_ray.config.schema import Config, LossConfig
-from draft_opd_ray.device import resolve_dtype
+from draft_opd_ray.config.schema import Config
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
+from draft_opd_ray.opd.actors import Actors, LearnerGroup, start_actors
 from draft_opd_ray.opd.batch import ReplayItem
 from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
-from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
+from draft_opd_ray.placement import PlacementPlan
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, tau, write_parquet
-
-
-def loss_spec(c: LossConfig) -> LossSpec:
-    """The objective's settings: the fields LossSpec shares with `loss.*`, and the clamp."""
-    same = {f.name: getattr(c, f.name) for f in dataclasses.fields(LossSpec) if hasattr(c, f.name)}
-    return LossSpec(**same, clamp=c.logprob_clamp)
-
-
-def start_actors(
-    cfg: Config, plan: PlacementPlan, target: str, draft_dir: str, total_steps: int
-) -> dict[str, Any]:
-    """Placement group with one bundle per actor (in plan order), then the actors in their bundles."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from draft_opd_ray.opd.learner import Learner
-    from draft_opd_ray.opd.replay import ReplayActor
-    from draft_opd_ray.opd.students import replay_needs
-    from draft_opd_ray.rollout.worker import RolloutWorker
-
-    slots = [s for s in plan.slots if s.role != DRIVER]
-    bundles = [{"CPU": s.cpus, **({"GPU": float(len(s.gpus))} if s.gpus else {})} for s in slots]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
-    index = {(s.role, s.index): i for i, s in enumerate(slots)}
-
-    def opts(role: str, rank: int) -> dict[str, Any]:
-        s = slots[index[(role, rank)]]
-        return {
-            "num_cpus": s.cpus,
-            "num_gpus": len(s.gpus),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=index[(role, rank)]
-            ),
-        }
-
-    cpu = cfg.cluster.gpus_per_node == 0
-    ncores = os.cpu_count() or 1
-    workers = [
-        ray.remote(RolloutWorker)
-        .options(**opts(ROLLOUT, s.index))
-        .remote(
-            s.index,
-            target,
-            draft_kind=cfg.draft.kind,
-            draft_path=draft_dir,
-            num_speculative_tokens=cfg.draft.num_speculative_tokens,
-            max_model_len=cfg.target.max_model_len,
-            dtype=cfg.target.dtype,
-            kvcache_gb=cfg.rollout.kvcache_gb,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            cpu_bind=str(s.index % ncores) if cpu else None,
-            seed=cfg.seed,
-        )
-        for s in plan.of(ROLLOUT)
-    ]
-    feature_ids, draft_ids = replay_needs(cfg.draft.kind, draft_dir, target)
-    replay = (
-        ray.remote(ReplayActor)
-        .options(**opts(REPLAY, 0))
-        .remote(
-            target,
-            aux_layer_ids=feature_ids,
-            draft_ids=draft_ids,
-            k=cfg.draft.num_speculative_tokens,
-            dtype=resolve_dtype(cfg.teacher.dtype),
-            num_threads=1 if cpu else None,
-            payload="topk" if cfg.teacher.topk is not None else "full",
-            topk=cfg.teacher.topk or 1,
-            teacher=cfg.loss.objective == "opd",
-            mode=cfg.replay.mode,
-            draft_kind=cfg.draft.kind,
-            draft_dir=draft_dir,
-        )
-    )
-    o = cfg.optim
-    learner = (
-        ray.remote(Learner)
-        .options(**opts(LEARNER, 0))
-        .remote(
-            draft_dir,
-            target,
-            kind=cfg.draft.kind,
-            spec=loss_spec(cfg.loss),
-            objective=cfg.loss.objective,
-            lr=o.lr,
-            betas=o.betas,
-            weight_decay=o.weight_decay,
-            warmup_ratio=o.warmup_ratio,
-            schedule=o.schedule,
-            total_steps=total_steps,
-            zero_stage=cfg.learner.zero_stage,
-            grad_clip=o.grad_clip,
-            dtype=resolve_dtype(cfg.learner.dtype),
-            train_lm_head=cfg.draft.train_lm_head,
-            num_threads=1 if cpu else None,
-            backend=cfg.learner.backend,
-        )
-    )
-    return {"workers": workers, "replay": replay, "learner": learner, "pg": pg}
 
 
 def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem]:
@@ -180,19 +77,22 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
     return items
 
 
-def make_weight_sync(cfg: Config, receivers: Sequence[Any]) -> WeightSync:
-    """rollout.weight_sync: auto = one shared-memory file per version on a single node, Ray's object store
-    across nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
-    kind = cfg.rollout.weight_sync
-    if kind == "auto":
-        kind = "shm_file" if cfg.cluster.num_nodes == 1 else "object_store"
+def make_weight_sync(
+    cfg: Config, receivers: Sequence[Any], sender: Any = None, engines: Sequence[Any] | None = None
+) -> WeightSync:
+    """rollout.weight_sync (`nccl_sync.weight_sync_kind`): auto = NCCL from the learner's rank 0 (``sender``)
+    into the vLLM ``engines`` on a GPU cluster, else one shared-memory file per version on a single node, Ray's
+    object store across nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
+    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, weight_sync_kind
+
+    kind = weight_sync_kind(cfg.rollout.weight_sync, cfg.cluster.num_nodes, cfg.cluster.gpus_per_node)
+    if kind == "nccl":
+        if sender is None or engines is None:
+            raise ValueError("the nccl weight sync needs the learner's rank 0 and the rollout engines")
+        others = [r for r in receivers if r not in list(engines)]
+        tp = [cfg.cluster.rollout_tensor_parallel] * len(engines)
+        return NcclWeightSync(engines, sender, tp, others)
     return SharedFileWeightSync(receivers) if kind == "shm_file" else ObjectStoreWeightSync(receivers)
-
-
-def scored_tokens(t: Any) -> int:
-    """Tokens the replay forward scored for one sequence: the sequence plus every anchor's branch."""
-    branch = (t.valid_len - t.accepted - 1).clamp(min=0)
-    return int(len(t.input_ids) + branch.sum())
 
 
 def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
@@ -201,14 +101,17 @@ def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
     return per_token * (len(r.prompt_ids) + r.num_steps * (k + 1))
 
 
-def save_checkpoint(run_dir: Path, step: int, learner: Any, flops: dict[str, float] | None = None) -> Path:
-    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, atomically (`draft_opd_ray.checkpoint`)."""
+def save_checkpoint(
+    run_dir: Path, step: int, learner: LearnerGroup, flops: dict[str, float] | None = None
+) -> Path:
+    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, atomically (`draft_opd_ray.checkpoint`): rank 0's
+    draft, every rank's optimizer state."""
     import ray
     import torch
 
     def fill(tmp: Path) -> None:
-        ray.get(learner.save.remote(str(tmp / "draft")))
-        state = {"step": step, "flops": dict(flops or {}), **ray.get(learner.optimizer_state.remote())}
+        ray.get(learner.rank0.save.remote(str(tmp / "draft")))
+        state = {"step": step, "flops": dict(flops or {}), "ranks": learner.optimizer_states()}
         torch.save(state, tmp / "training_state.pt")
 
     return write_checkpoint(run_dir / "checkpoints" / "opd", f"step_{step}", fill)
@@ -282,8 +185,10 @@ def run_opd(
     eos_token_id: int | None,
     run_dir: Path,
     metrics: MetricsLogger,
+    reservation: Any = None,
 ) -> Path:
-    import ray
+    """The loop; ``reservation`` (`draft_opd_ray.cluster`): the bundles reserved for the plan before the first
+    stage (None: a placement group is made here on the running Ray)."""
     from tqdm import tqdm
 
     from draft_opd_ray.models.target import read_target_info
@@ -293,84 +198,127 @@ def run_opd(
     resume, saved = _resume_point(cfg, run_dir)
     start_step = int(saved.get("step", 0))
     flops.update(saved.get("flops", {}))
-    actors = start_actors(
-        cfg,
-        plan,
-        target,
-        str(resume / "draft") if resume else draft_dir,
-        cfg.opd.steps * cfg.learner.mini_batches,
-    )
-    workers, replay, learner = actors["workers"], actors["replay"], actors["learner"]
-    if resume is not None:
-        ray.get(learner.load_optimizer_state.remote(saved))
-        # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
-        # round would look start_step versions stale and be dropped)
-        ray.get([w.set_version.remote(start_step) for w in workers])
-        if cfg.replay.mode == "redraft":
-            ray.get(replay.set_draft_version.remote(start_step))
-    sync = make_weight_sync(cfg, [*workers, replay] if cfg.replay.mode == "redraft" else workers)
-    sync.version = start_step
-    sampling = Sampling(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=cfg.seed,
-        stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
-    )
-    rounds = _Rounds(workers, prompts, cfg.rollout.prompts_per_round, sampling)
-    version, dropped, last = start_step, 0, str(resume / "draft") if resume else draft_dir
-    bar = tqdm(range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps)
-    for step in bar:
-        t0 = time.time()
-        records: list[RequestRecord] = []
-        behind = 0
-        while not records:
-            records, d, behind = take_rounds(rounds.take(), version, cfg.async_.max_staleness)
-            dropped += d
-        t_roll = time.time() - t0
-        write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
-        items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
-        if not items:
-            metrics.log("opd", step + 1, tau=tau(records), skipped="no anchors")
-            continue
-        t1 = time.time()
-        teacher = ray.get(replay.score.remote(items))
-        t2 = time.time()
-        out = ray.get(learner.step.remote(teacher, cfg.learner.mini_batches))
-        t3 = time.time()
-        flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
-        flops["flops_target"] += sum(
-            target_forward_flops(info, 1, scored_tokens(t)) for t in teacher if _target_ran(t)
+    last = str(resume / "draft") if resume else draft_dir
+    total_updates = cfg.opd.steps * cfg.learner.mini_batches
+    actors = start_actors(cfg, plan, target, last, total_updates, reservation=reservation)
+    try:
+        sync = _resume_actors(cfg, actors, saved, start_step)
+        sampling = Sampling(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=cfg.seed,
+            stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
         )
-        flops["flops_rollout"] += sum(
-            rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
+        rounds = _Rounds(actors.workers, prompts, cfg.rollout.prompts_per_round, sampling)
+        state = _LoopState(version=start_step)
+        bar = tqdm(
+            range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps
         )
-        version += 1
-        sync.publish(version, ray.get(learner.rollout_state.remote()))
-        row = metrics.log(
-            "opd",
-            step + 1,
-            **out,
-            tau=tau(records),
-            policy_version=version,
-            staleness=behind,
-            dropped_stale=dropped,
-            rollout_wait_s=round(t_roll, 2),
-            replay_s=round(t2 - t1, 2),
-            learner_s=round(t3 - t2, 2),
-            publish_s=round(time.time() - t3, 2),
-            step_s=round(time.time() - t0, 2),
-            replay_accept_agree=_agreement(teacher),
-            **flops,
-        )
-        bar.set_postfix(loss=f"{out.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
-        if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
-            last = str(save_checkpoint(run_dir, step + 1, learner, flops) / "draft")
-    sync.close()
-    for w in workers:
-        ray.get(w.shutdown.remote())
+        for step in bar:
+            row = _one_step(cfg, actors, rounds, sync, state, step, info, flops, run_dir, metrics)
+            if row is not None:
+                bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
+            if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
+                last = str(save_checkpoint(run_dir, step + 1, actors.learner, flops) / "draft")
+        sync.close()
+        _shutdown(actors.workers)
+    finally:
+        actors.release()
     plot_tau(run_dir)
     return Path(last)
+
+
+@dataclasses.dataclass
+class _LoopState:
+    version: int  # the learner's published weight version
+    dropped: int = 0  # rounds dropped as stale so far
+
+
+def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
+    """Restore a resumed run's optimizer states and versions; the weight sync to the receivers."""
+    import ray
+
+    redraft = cfg.replay.mode == "redraft"
+    if saved:
+        actors.learner.load_optimizer_states(saved.get("ranks", [saved]))
+        # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
+        # round would look start_step versions stale and be dropped)
+        ray.get([w.set_version.remote(start_step) for w in actors.workers])
+        if redraft:
+            ray.get([a.set_draft_version.remote(start_step) for a in actors.replay.actors])
+    receivers = [*actors.workers, *actors.replay.actors] if redraft else actors.workers
+    sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers)
+    sync.version = start_step
+    return sync
+
+
+def _one_step(
+    cfg: Config,
+    actors: Actors,
+    rounds: _Rounds,
+    sync: WeightSync,
+    state: _LoopState,
+    step: int,
+    info: Any,
+    flops: dict[str, float],
+    run_dir: Path,
+    metrics: MetricsLogger,
+) -> dict[str, Any] | None:
+    """Take rounds, write their records, replay the anchors, step the learner ranks, publish, log the row."""
+    import ray
+
+    t0 = time.time()
+    records: list[RequestRecord] = []
+    behind = 0
+    while not records:
+        records, d, behind = take_rounds(rounds.take(), state.version, cfg.async_.max_staleness)
+        state.dropped += d
+    t_roll = time.time() - t0
+    write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
+    items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
+    if not items:
+        metrics.log("opd", step + 1, tau=tau(records), skipped="no anchors")
+        return None
+    t1 = time.time()
+    teacher = actors.replay.score(items)
+    t2 = time.time()
+    out = actors.learner.step(teacher, cfg.learner.mini_batches)
+    t3 = time.time()
+    flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
+    flops["flops_target"] += sum(
+        target_forward_flops(info, 1, t.scored_tokens()) for t in teacher if _target_ran(t)
+    )
+    flops["flops_rollout"] += sum(
+        rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
+    )
+    state.version += 1
+    sync.publish(state.version, ray.get(actors.learner.rank0.rollout_state.remote()))
+    shares = {f"replay{i}_seqs": float(n) for i, n in enumerate(actors.replay.last_shares)}
+    return metrics.log(
+        "opd",
+        step + 1,
+        **out,
+        tau=tau(records),
+        policy_version=state.version,
+        staleness=behind,
+        dropped_stale=state.dropped,
+        rollout_wait_s=round(t_roll, 2),
+        replay_s=round(t2 - t1, 2),
+        learner_s=round(t3 - t2, 2),
+        publish_s=round(time.time() - t3, 2),
+        step_s=round(time.time() - t0, 2),
+        replay_accept_agree=_agreement(teacher),
+        learner_world_size=actors.world_size,
+        **shares,
+        **flops,
+    )
+
+
+def _shutdown(workers: Sequence[Any]) -> None:
+    import ray
+
+    ray.get([w.shutdown.remote() for w in workers])
 
 
 def plot_tau(run_dir: Path) -> None:

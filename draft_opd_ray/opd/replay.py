@@ -25,7 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
+from draft_opd_ray.device import actor_device
 from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, pack_branches
+from draft_opd_ray.opd.refit import RefitAck
 
 
 class ReplayActor:
@@ -57,27 +59,35 @@ class ReplayActor:
         self.payload, self.topk, self.mode, self.teacher = payload, topk, mode, teacher
         self.student = None
         self.draft_version = 0
+        self.device = actor_device()
         if mode == "redraft":
             if draft_kind is None or draft_dir is None:
                 raise ValueError("replay mode redraft needs draft_kind and draft_dir")
             from draft_opd_ray.opd.students import make_student
 
             self.student = make_student(draft_kind, draft_dir, target)
-            self.student.model.eval()
+            self.student.model.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype))
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.aux = list(aux_layer_ids)
-        self.draft_ids = torch.tensor(list(draft_ids)) if draft_ids is not None else None
+        self.draft_ids = torch.tensor(list(draft_ids), device=self.device) if draft_ids is not None else None
+        self.scored = 0  # sequences this actor has scored (its share: `ReplayGroup`)
         self.k = k
 
     @torch.no_grad()
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
         if self.mode == "redraft":
             items = [self._redraft(it) for it in items]
-        return [self._score_one(it) for it in items]
+        self.scored += len(items)
+        return [self._score_one(it).to("cpu") for it in items]
+
+    def scored_sequences(self) -> int:
+        """How many sequences this actor has scored so far."""
+        return self.scored
 
     # ---- redraft: the current draft's own blocks -----------------------------------------------------------
 
@@ -108,12 +118,13 @@ class ReplayActor:
     def _redraft(self, it: ReplayItem) -> ReplayItem:
         """`it` with the current draft's greedy blocks from its anchors."""
         assert self.student is not None
-        ids = torch.tensor(it.input_ids)
+        ids = torch.tensor(it.input_ids, device=self.device)
         feats = None
         if self.student.features:  # the target hidden states the draft conditions on
             out = self.model(ids[None], output_hidden_states=True, use_cache=False)
             feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
-        blocks = self.student.greedy_blocks(ids, feats, torch.tensor(it.anchor_pos), self.k)
+        anchors = torch.tensor(it.anchor_pos, device=self.device)
+        blocks = self.student.greedy_blocks(ids, feats, anchors, self.k)
         drafted, accepted = [], []
         for n, y in zip(it.anchor_pos, blocks.tolist()):  # the stream ends at T-1: a <= T-1-n
             stream = it.input_ids[n + 1 : n + 1 + len(y)]
@@ -135,8 +146,8 @@ class ReplayActor:
         T, N, K = len(ids), len(it.anchor_pos), self.k
         feats = torch.zeros(T, 0)
         if self.aux:
-            out = self.model(ids[None], output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
+            out = self.model(ids[None].to(self.device), output_hidden_states=True, use_cache=False)
+            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float().cpu()
         drafted = torch.zeros(N, K, dtype=torch.long)
         for j, y in enumerate(it.drafted):
             drafted[j, : min(len(y), K)] = torch.tensor(y[:K], dtype=torch.long)
@@ -151,19 +162,20 @@ class ReplayActor:
             return self._features_only(it)
         T, N, K = len(it.input_ids), len(it.anchor_pos), self.k
         packed = pack_branches(it, K)
+        dev = self.device
         out = self.model(
-            packed.input_ids[None],
-            attention_mask=packed.mask[None, None],
-            position_ids=packed.position_ids[None],
+            packed.input_ids[None].to(dev),
+            attention_mask=packed.mask[None, None].to(dev, self.model.dtype),
+            position_ids=packed.position_ids[None].to(dev),
             output_hidden_states=bool(self.aux),
             use_cache=False,
         )
-        logits = out.logits[0]  # (T + B, V)
+        logits = out.logits[0].float()  # (T + B, V)
         feats = (  # (T, A*H); a standalone draft needs none
             torch.cat([out.hidden_states[i][0, :T] for i in self.aux], dim=-1)
             if self.aux
             else logits.new_zeros(T, 0)
-        )
+        ).cpu()
         drafted = torch.zeros(N, K, dtype=torch.long)
         valid = torch.zeros(N, dtype=torch.long)
         acc = torch.zeros(N, dtype=torch.long)
@@ -171,14 +183,14 @@ class ReplayActor:
         teacher: torch.Tensor | None = None
         for j, (rows, y, a) in enumerate(zip(packed.rows, it.drafted, it.accepted)):
             have = len(rows)
-            block = logits[rows]
+            block = logits[rows.to(dev)]
             kk = min(len(y), K)
             drafted[j, :kk] = torch.tensor(y[:kk])
             valid[j] = have
             acc[j] = min(a, have)
-            match = (block.argmax(-1) == drafted[j, :have]).long()
+            match = (block.argmax(-1).cpu() == drafted[j, :have]).long()
             replay_acc[j] = int(match.cumprod(0).sum())
-            lp = self._to_draft_vocab(block)
+            lp = self._to_draft_vocab(block).cpu()
             if teacher is None:
                 teacher = torch.zeros(N, K, lp.shape[-1])
             teacher[j, :have] = lp
@@ -201,3 +213,14 @@ class ReplayActor:
             top_ids,
             top_lp,
         )
+
+    def refit_ack(self) -> RefitAck:
+        """The refit proof of the draft copy redraft uses (`opd/refit.py`): its tensors, fingerprinted as held."""
+        from draft_opd_ray.opd.refit import fingerprints
+
+        if self.student is None:
+            raise RuntimeError("this replay actor holds no draft (replay mode recorded)")
+        state = self.student.model.state_dict()
+        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        tensors = fingerprints((n, t.cpu()) for n, t in state.items())
+        return RefitAck("replay actor", self.draft_version, str(dtype).removeprefix("torch."), tensors)

@@ -116,7 +116,7 @@ class Eagle3Student(_Student):
             toks.append(t)
             return t
 
-        valid = torch.ones(1, len(ids), dtype=torch.bool)
+        valid = torch.ones(1, len(ids), dtype=torch.bool, device=ids.device)
         last = head._unroll(ids[None], feats[None], anchors[None], k, feed, valid)[-1]
         feed(k, last)
         return torch.stack(toks, dim=-1)[0]
@@ -153,10 +153,11 @@ class StandaloneStudent(_Student):
             b.policy_version,
         )
         packed = pack_branches(item, K)
+        dev = b.input_ids.device
         out = self.model.model(
-            input_ids=packed.input_ids[None],
-            attention_mask=packed.mask[None, None],
-            position_ids=packed.position_ids[None],
+            input_ids=packed.input_ids[None].to(dev),
+            attention_mask=packed.mask[None, None].to(dev),
+            position_ids=packed.position_ids[None].to(dev),
             use_cache=False,
         )
         h = out.last_hidden_state[0]  # (T + branches, H), after the final norm
@@ -173,6 +174,7 @@ class StandaloneStudent(_Student):
         seq, starts = ids.tolist(), anchors.tolist()
         T, N = len(seq), len(starts)
         blocks = torch.zeros(N, k, dtype=torch.long)
+        dev = ids.device
         for r in range(k):
             toks, pos, spans, last_rows = list(seq), list(range(T)), [], []
             for j, n in enumerate(starts):
@@ -181,12 +183,12 @@ class StandaloneStudent(_Student):
                 toks += blocks[j, :r].tolist()
                 pos += list(range(n + 1, n + 1 + r))
             logits = self.model(
-                input_ids=torch.tensor(toks)[None],
-                attention_mask=branch_mask(len(toks), T, spans)[None, None],
-                position_ids=torch.tensor(pos)[None],
+                input_ids=torch.tensor(toks, device=dev)[None],
+                attention_mask=branch_mask(len(toks), T, spans)[None, None].to(dev),
+                position_ids=torch.tensor(pos, device=dev)[None],
                 use_cache=False,
             ).logits[0]
-            blocks[:, r] = logits[torch.tensor(last_rows)].argmax(-1)
+            blocks[:, r] = logits[torch.tensor(last_rows, device=dev)].argmax(-1).cpu()
         return blocks
 
     def flops(self, b: TeacherItem) -> float:

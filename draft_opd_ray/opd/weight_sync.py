@@ -5,7 +5,11 @@ receiver (a Ray actor method). Invariants:
 - the learner is the only sender; versions it publishes strictly increase;
 - a receiver applies a version whole, between two generation rounds (Ray serialises an actor's calls),
   never in the middle of a round, and tags every later record with it;
-- publication does not wait for receivers: rollouts keep generating; `wait()` is for shutdown and tests.
+- publication does not wait for receivers: rollouts keep generating; `wait()` is for shutdown and tests;
+- every applied version is proven (`opd/refit.py`): after its load each receiver reads back what it serves and
+  returns a `RefitAck` (`refit_ack()`), which the sync checks against the fingerprints of what it sent when it
+  reaps the acks (the next `publish`, `wait`, `close`); a wrong version or different values raise `RefitError`
+  naming the receiver. The receivers' serving dtypes are read once, from an ack taken at construction.
 Transports:
 - `SharedFileWeightSync` (single node, the default there): the publisher writes the state dict ONCE per version
   to a safetensors file in shared memory and sends every receiver its path; each vLLM engine memory-maps it
@@ -14,7 +18,8 @@ Transports:
   applied the version they held; a new slot is made only while all others are still being read.
 - `ObjectStoreWeightSync` (multi-node): the state dict goes into Ray's object store once (shared memory on a
   node) and every receiver reads the same object, then writes its own file for its engine.
-On GPU clusters an NCCL broadcast transport plugs in here.
+- `NcclWeightSync` (`opd/nccl_sync.py`, GPU clusters): the learner's rank 0 broadcasts to every engine rank
+  through vLLM's weight-transfer API.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+
+from draft_opd_ray.opd.refit import Fingerprint, check_ack, fingerprints
 
 _DTYPES = {
     torch.float64: "F64",
@@ -90,27 +97,76 @@ class WeightSync(Protocol):
     def close(self) -> None: ...
 
 
+class RefitChecks:
+    """The refit proof's bookkeeping, shared by the transports: the receivers' serving dtypes, and per published
+    version the fingerprints of what was sent and the receivers' pending loads and acks."""
+
+    def __init__(self, receivers: Sequence[Any], verify: bool = True) -> None:
+        import ray
+
+        self.verify = verify
+        acks = ray.get([r.refit_ack.remote() for r in receivers]) if verify else []
+        self.dtypes = sorted({a.dtype for a in acks})
+        self._pending: list[tuple[int, dict[str, dict[str, Fingerprint]], list[Any], list[Any]]] = []
+
+    def sent(self, weights: dict[str, Any]) -> dict[str, dict[str, Fingerprint]]:
+        """Fingerprints of ``weights`` in every dtype a receiver serves in (take them before sending)."""
+        return {dt: fingerprints(weights.items(), getattr(torch, dt)) for dt in self.dtypes}
+
+    def add(
+        self,
+        version: int,
+        sent: dict[str, dict[str, Fingerprint]],
+        loads: list[Any],
+        receivers: Sequence[Any],
+    ) -> None:
+        """Loads just submitted; each receiver's ack is asked for right behind its load (actor calls run in
+        order)."""
+        acks = [r.refit_ack.remote() for r in receivers] if self.verify else []
+        self._pending.append((version, sent, loads, acks))
+
+    def reap(self, block: bool) -> tuple[list[int], int]:
+        """Check the finished versions (all of them with ``block``), oldest first. Returns the versions the loads
+        reported and how many published versions were reaped; raises `RefitError` on a bad ack."""
+        import ray
+
+        done: list[int] = []
+        n = 0
+        while self._pending:
+            version, sent, loads, acks = self._pending[0]
+            if not block and not all(_done(r) for r in loads + acks):
+                break
+            self._pending.pop(0)
+            done += ray.get(loads)
+            for ack in ray.get(acks):
+                check_ack(ack, version, sent)
+            n += 1
+        return done, n
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 class ObjectStoreWeightSync:
-    def __init__(self, receivers: Sequence[Any]) -> None:
+    def __init__(self, receivers: Sequence[Any], verify: bool = True) -> None:
         self.receivers = list(receivers)
         self.version = 0
-        self._pending: list[Any] = []
+        self.checks = RefitChecks(self.receivers, verify)
 
     def publish(self, version: int, weights: dict[str, Any]) -> None:
         import ray
 
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
+        self.checks.reap(block=False)
+        sent = self.checks.sent(weights)
         ref = ray.put(weights)  # one copy; receivers on the node map the same shared memory
-        self._pending = [r for r in self._pending if not _done(r)]
-        self._pending += [rcv.load_draft_weights.remote(ref, version) for rcv in self.receivers]
+        loads = [rcv.load_draft_weights.remote(ref, version) for rcv in self.receivers]
+        self.checks.add(version, sent, loads, self.receivers)
         self.version = version
 
     def wait(self) -> list[int]:
-        import ray
-
-        done, self._pending = ray.get(self._pending), []
-        return done
+        return self.checks.reap(block=True)[0]
 
     def close(self) -> None:
         self.wait()
@@ -119,14 +175,15 @@ class ObjectStoreWeightSync:
 class SharedFileWeightSync:
     """All receivers on the publisher's node (module docstring). Receivers need `load_draft_weights_file`."""
 
-    def __init__(self, receivers: Sequence[Any], directory: str | None = None) -> None:
+    def __init__(self, receivers: Sequence[Any], directory: str | None = None, verify: bool = True) -> None:
         import tempfile
 
         base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.dir = tempfile.mkdtemp(prefix="draft_opd_ray_sync_", dir=base)
         self.receivers = list(receivers)
         self.version = 0
-        self._pending: list[tuple[str, list[Any]]] = []  # (slot file, its loads)
+        self.checks = RefitChecks(self.receivers, verify)
+        self._paths: list[str] = []  # the slot file of each pending version, in publication order
         self._free: list[str] = []  # slot files no receiver is reading
         self._slots = 0
 
@@ -139,10 +196,11 @@ class SharedFileWeightSync:
         else:
             path = os.path.join(self.dir, f"slot{self._slots}.safetensors")
             self._slots += 1
+        sent = self.checks.sent(weights)
         write_safetensors(path, weights)
-        self._pending.append(
-            (path, [r.load_draft_weights_file.remote(path, version) for r in self.receivers])
-        )
+        loads = [r.load_draft_weights_file.remote(path, version) for r in self.receivers]
+        self.checks.add(version, sent, loads, self.receivers)
+        self._paths.append(path)
         self.version = version
 
     @property
@@ -151,17 +209,13 @@ class SharedFileWeightSync:
         return self._slots
 
     def _reap(self, block: bool) -> list[int]:
-        import ray
-
-        done: list[int] = []
-        keep = []
-        for path, refs in self._pending:
-            if block or all(_done(r) for r in refs):
-                done += ray.get(refs)
-                self._free.append(path)
-            else:
-                keep.append((path, refs))
-        self._pending = keep
+        """Versions whose loads and acks are all back are checked; their slot files are free again."""
+        try:
+            done, _ = self.checks.reap(block)
+        finally:  # a failed check still frees nothing that a receiver reads
+            n = len(self._paths) - len(self.checks)
+            self._free += self._paths[:n]
+            self._paths = self._paths[n:]
         return done
 
     def wait(self) -> list[int]:

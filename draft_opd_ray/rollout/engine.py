@@ -17,11 +17,14 @@ from typing import Any
 
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models import kinds
+from draft_opd_ray.opd.refit import RefitAck
 from draft_opd_ray.rollout.records import RequestRecord
 
 SCHEDULER = "draft_opd_ray.rollout.vllm_ext.AnchorRecordingScheduler"
 EXTENSION = "draft_opd_ray.rollout.vllm_ext.DraftWeightExtension"
 BASELINES = ("none", "ngram")  # methods that are not a trained draft: plain decoding, prompt lookup
+# checkpoint-name fragments vLLM's draft modules spell differently (beyond `opd/refit.served_key`'s rules)
+VLLM_ALIASES: dict[str, dict[str, str]] = {"eagle3": {"midlayer.": "layers.0."}}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,14 @@ def speculative_config(kind: str, path: str | None, k: int) -> dict[str, Any] | 
     if path is None:
         raise ConfigError(f"draft.path: a {kind} draft needs a folder")
     return {"method": method, "model": str(path), "num_speculative_tokens": k}
+
+
+def needs_eager() -> bool:
+    """Eager mode where the platform has no graph capture worth its start-up (vLLM's CPU backend); CUDA graphs
+    (and the compile they need) on GPUs."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def all_cores() -> str:
@@ -97,10 +108,14 @@ class SpecDecodeEngine:
         record: bool = True,
         seed: int = 0,
         cpu_bind: str | None = None,
+        tensor_parallel: int = 1,
+        weight_transfer: str | None = None,
     ) -> None:
         """``cpu_bind``: on CPU, the cores the engine's threads run on (``VLLM_CPU_OMP_THREADS_BIND``, e.g.
         :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
-        puts every engine on one core and leaves the other for the frontend)."""
+        puts every engine on one core and leaves the other for the frontend). ``tensor_parallel``: GPUs (ranks)
+        the engine shards the target and draft over (vLLM's ``tensor_parallel_size``). ``weight_transfer``: a vLLM
+        weight-transfer backend ("nccl") to receive draft weights through (`opd/nccl_sync.py`); None: files only."""
         if draft_path is not None and draft_kind in kinds.KINDS:
             kinds.check_draft_matches_target(target, draft_path, draft_kind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
@@ -109,6 +124,7 @@ class SpecDecodeEngine:
         spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, num_speculative_tokens)
         self.spec_config = spec
         self.target = str(target)
+        self.draft_kind = draft_kind
         self.max_model_len = max_model_len
         self.record = record and spec is not None
         kwargs: dict[str, Any] = {}
@@ -119,12 +135,15 @@ class SpecDecodeEngine:
                 kwargs["scheduler_cls"] = SCHEDULER
             if draft_kind in kinds.KINDS:
                 kwargs["worker_extension_cls"] = EXTENSION
+        if weight_transfer is not None:
+            kwargs["weight_transfer_config"] = {"backend": weight_transfer}
         with _env("VLLM_CPU_OMP_THREADS_BIND", cpu_bind):
             self.llm = LLM(
                 self.target,
                 dtype=dtype,  # type: ignore[arg-type]
                 max_model_len=max_model_len,
-                enforce_eager=True,
+                enforce_eager=needs_eager(),
+                tensor_parallel_size=tensor_parallel,
                 seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization,
                 **kwargs,
@@ -220,6 +239,48 @@ class SpecDecodeEngine:
         # cached prompt blocks hold KV computed by the old draft: drop them
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def nccl_init(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the sender's NCCL group (vLLM's weight-transfer engine, backend "nccl"), this engine's ranks at
+        ``rank_offset`` + tensor-parallel rank."""
+        self.llm.init_weight_transfer_engine(
+            {
+                "init_info": {
+                    "master_address": address,
+                    "master_port": port,
+                    "rank_offset": rank_offset,
+                    "world_size": world_size,
+                    "packed": True,
+                }
+            }
+        )
+
+    def load_draft_weights_nccl(self, plan: dict[str, list[Any]], version: int) -> None:
+        """Receive a new draft version by NCCL broadcast: every rank loads the checkpoint-named tensors of
+        ``plan`` (names, dtype names, shapes) in vLLM's layerwise reload, started and finished around it."""
+        self.llm.start_draft_weight_update()
+        self.llm.update_weights({"update_info": plan})
+        self.llm.finish_weight_update()
+        self.llm.collective_rpc("set_draft_version", args=(version,))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def refit_ack(self, receiver: str) -> RefitAck:
+        """The refit proof (`opd/refit.py`): every rank's draft read back from the engine, fingerprinted, and
+        the ranks combined into one report of what this engine serves."""
+        from draft_opd_ray.opd.refit import combine_ranks
+
+        ranks = self.llm.collective_rpc("draft_fingerprints")
+        versions = {int(r["version"]) for r in ranks}
+        return RefitAck(
+            receiver=receiver,
+            version=versions.pop() if len(versions) == 1 else -1,  # ranks that disagree serve no one version
+            dtype=str(ranks[0]["dtype"]),
+            tensors=combine_ranks(
+                [{n: (int(a), int(b)) for n, (a, b) in r["tensors"].items()} for r in ranks]
+            ),
+            aliases=dict(VLLM_ALIASES.get(self.draft_kind, {})),
+        )
 
     def shutdown(self) -> None:
         import gc

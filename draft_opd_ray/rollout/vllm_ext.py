@@ -12,7 +12,8 @@ Both classes are loaded by qualified name inside vLLM's own processes:
 * `DraftWeightExtension` (`LLM(..., worker_extension_cls=...)`, mixed into the worker): methods callable
   from the driver through `llm.collective_rpc`. `load_draft_weights` reloads the running draft with vLLM's
   in-place reloader (the one `Worker.reload_weights` uses for the target): on CPU the linear weights are
-  repacked after loading, so a plain `model.load_weights` afterwards does not take.
+  repacked after loading, so a plain `model.load_weights` afterwards does not take. `draft_fingerprints`
+  reads the served draft back (the refit proof, `opd/refit.py`).
 """
 
 from __future__ import annotations
@@ -84,8 +85,35 @@ class DraftWeightExtension:
     def draft_version(self) -> int:
         return self._draft_version
 
+    def set_draft_version(self, version: int) -> int:
+        """The version just received by another path (vLLM's weight-transfer engine)."""
+        self._draft_version = int(version)
+        return self._draft_version
+
     def draft_param_names(self) -> list[str]:
         return [name for name, _ in self._draft_module().named_parameters()]
+
+    def draft_fingerprints(self) -> dict[str, Any]:
+        """This rank's refit proof: the version it serves, the draft's dtype and the fingerprint of every draft
+        tensor as the engine computes with it. A linear layer whose weight the CPU backend repacked into a
+        kernel handle (its `weight` left empty) is read back through that kernel: identity rows in, W^T out,
+        exactly (each output is one weight times 1 plus zeros)."""
+        import torch
+
+        from draft_opd_ray.opd.refit import tensor_fingerprint
+
+        model = self._draft_module()
+        dtype = self.vllm_config.speculative_config.draft_model_config.dtype  # type: ignore[attr-defined]
+        out: dict[str, list[int]] = {}
+        with torch.no_grad():
+            for mod_name, mod in model.named_modules():
+                for p_name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                    if p_name in mod._non_persistent_buffers_set:
+                        continue
+                    if t.numel() == 0 and p_name == "weight" and hasattr(mod, "quant_method"):
+                        t = _read_back_linear(mod)
+                    out[f"{mod_name}.{p_name}" if mod_name else p_name] = list(tensor_fingerprint(t, dtype))
+        return {"version": self._draft_version, "dtype": str(dtype).removeprefix("torch."), "tensors": out}
 
     def load_draft_weights(self, path: str, version: int) -> int:
         """Replace the draft's weights in place from a safetensors file (checkpoint names, as in the
@@ -114,3 +142,14 @@ class DraftWeightExtension:
             )
         self._draft_version = int(version)
         return len(weights)
+
+
+def _read_back_linear(layer: Any, rows: int = 2048) -> Any:
+    """W^T of a linear layer (this rank's shard) from its forward kernel, ``rows`` identity rows at a time."""
+    import torch
+
+    k = int(getattr(layer, "input_size_per_partition", getattr(layer, "input_size", 0)))
+    dtype, dev = layer.params_dtype, next(iter(layer.parameters())).device
+    eye = torch.eye(k, dtype=dtype, device=dev)
+    parts = [layer.quant_method.apply(layer, eye[i : i + rows]) for i in range(0, k, rows)]
+    return torch.cat(parts)  # (K, N)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from draft_opd_ray.opd.refit import RefitAck
 from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
 from draft_opd_ray.rollout.records import RequestRecord
 
@@ -31,7 +32,11 @@ class RolloutWorker:
         gpu_memory_utilization: float = 0.5,
         cpu_bind: str | None = None,
         seed: int = 0,
+        tensor_parallel: int = 1,
+        weight_transfer: str | None = None,
     ) -> None:
+        """``tensor_parallel``: GPUs of this engine (vLLM's ``tensor_parallel_size``). ``weight_transfer="nccl"``
+        readies the engine for `NcclWeightSync` (vLLM's weight-transfer engine)."""
         if cpu_bind is not None:  # CPU engines: give each worker its own core instead of all binding core 0
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         self.rank = rank
@@ -45,6 +50,8 @@ class RolloutWorker:
             kvcache_gb=kvcache_gb,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed + rank,
+            tensor_parallel=tensor_parallel,
+            weight_transfer=weight_transfer,
         )
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[RequestRecord]:
@@ -56,6 +63,20 @@ class RolloutWorker:
 
     def load_draft_weights_file(self, path: str, version: int) -> int:
         self.engine.load_draft_weights_file(path, version)
+        return version
+
+    def refit_ack(self) -> RefitAck:
+        """The refit proof of the weights it serves now (`opd/refit.py`)."""
+        return self.engine.refit_ack(f"rollout worker {self.rank}")
+
+    def nccl_init(self, address: str, port: int, rank_offset: int, world_size: int) -> int:
+        """Join the learner's NCCL group as ranks ``rank_offset..`` (one per engine rank); blocks until all did."""
+        self.engine.nccl_init(address, port, rank_offset, world_size)
+        return self.rank
+
+    def load_draft_weights_nccl(self, plan: dict[str, list[Any]], version: int) -> int:
+        """Receive the tensors of ``plan`` (`nccl_sync.nccl_plan`) from the learner's broadcast."""
+        self.engine.load_draft_weights_nccl(plan, version)
         return version
 
     def set_version(self, version: int) -> int:

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,18 @@ from draft_opd_ray.models.kinds import draft_kind
 from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone, save_standalone
 from draft_opd_ray.models.target import read_target_info, read_target_tensors
 
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LossFn(Protocol):
+    """A recipe's loss on a collated batch: (loss, metrics). ``reduce`` (data-parallel ranks, each holding a
+    share of the global batch): sums a tensor of loss denominators over the ranks, so that every rank normalises
+    by the global batch's counts; then each rank's loss and metrics are its share of the global batch's and sum
+    over the ranks to what one rank computes on the whole batch. None: this batch is the whole batch."""
+
+    def __call__(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], *, reduce: Reduce | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -138,16 +149,20 @@ def ttt_anchors(loss_mask: torch.Tensor, ttt_steps: int) -> tuple[torch.Tensor, 
     need[:, 0] = False
     counts = need.sum(1)
     N = max(1, int(counts.max()))
-    pos = torch.arange(T).expand(B, T)
+    pos = torch.arange(T, device=loss_mask.device).expand(B, T)
     # needed positions first (stable), then the rest; the rest become padding
     order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :N]
-    valid = torch.arange(N)[None] < counts[:, None]
+    valid = torch.arange(N, device=loss_mask.device)[None] < counts[:, None]
     anchor = torch.where(valid, pos.gather(1, order), torch.ones_like(order))
     return anchor, valid
 
 
 def ttt_topk_loss(
-    model: Eagle3Draft, batch: dict[str, torch.Tensor], ttt_steps: int, decay: float
+    model: Eagle3Draft,
+    batch: dict[str, torch.Tensor],
+    ttt_steps: int,
+    decay: float,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_i decay^i * soft CE of TTT step i against the target's top-k draft-vocabulary distribution.
 
@@ -156,30 +171,37 @@ def ttt_topk_loss(
     i predicts x_{p+i+1} and is scored at teacher position p+i. This is the full-sequence TTT of
     ``Eagle3Draft.forward`` restricted to the rows whose loss is counted (same value; the steps after the first
     and the LM head skip prompt rows, ~1/3 of the work on chat data). Metrics ``loss_<i>`` and ``acc_<i>``
-    (draft argmax == target argmax over the full vocabulary)."""
+    (draft argmax == target argmax over the full vocabulary). ``reduce``: see :class:`LossFn`; the per-step
+    counts are reduced once, before the unrolled steps, so every rank runs the same steps."""
     ids_t, mask = batch["input_ids"], batch["loss_mask"]
     B, T = ids_t.shape
     anchor, valid = ttt_anchors(mask, ttt_steps)
     K = ttt_steps
+    steps = torch.arange(K + 1, device=ids_t.device)
+    tp_all = anchor[..., None] + steps[:K]  # (B, N, K) teacher position of each step
+    scored = valid[..., None] & (tp_all < T)
+    scored &= mask.gather(1, tp_all.clamp_max(T - 1).flatten(1)).view_as(tp_all)
+    counts = scored.float().sum((0, 1))  # (K,) scored rows of each step
+    if reduce is not None:
+        counts = reduce(counts)
     # the block y_1..y_K = x_{p+1}..x_{p+K} (step j consumes y_j; clamped: positions past the end are not scored)
-    fed_pos = (anchor[..., None] + torch.arange(1, K + 1)).clamp_max(T - 1)  # (B, N, K)
+    fed_pos = (anchor[..., None] + steps[1:]).clamp_max(T - 1)  # (B, N, K)
     fed = ids_t.gather(1, fed_pos.flatten(1)).view(fed_pos.shape)
     hidden = model.block_hidden(
         ids_t, batch["features"], anchor, fed, batch["attention_mask"]
     )  # (B, N, K, H)
     draft_ids = model.draft_ids_in_target
-    total = torch.zeros(())
+    total = torch.zeros((), device=ids_t.device)
     metrics: dict[str, float] = {}
     for i in range(K):
-        tp = anchor + i  # teacher position of step i
-        m = (valid & (tp < T) & mask.gather(1, tp.clamp_max(T - 1))).float()
-        if not bool(m.any()):
+        if not bool(counts[i] > 0):
             break
-        tpc = tp.clamp_max(T - 1)
+        m = scored[..., i].float()
+        tpc = tp_all[..., i].clamp_max(T - 1)
         logq = torch.log_softmax(model.lm_head(hidden[:, :, i]).float(), dim=-1)  # (B, N, Vd)
         k_ids = batch["topk_ids"].gather(1, tpc[..., None].expand(-1, -1, batch["topk_ids"].shape[-1]))
         k_p = batch["topk_p"].gather(1, tpc[..., None].expand(-1, -1, batch["topk_p"].shape[-1]))
-        count = m.sum().clamp_min(1.0)
+        count = counts[i].to(logq.dtype).clamp_min(1.0)
         loss_i = (-(k_p * logq.gather(-1, k_ids)).sum(-1) * m).sum() / count
         total = total + decay**i * loss_i
         with torch.no_grad():
@@ -220,7 +242,13 @@ def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: Recip
         head,
         tuple(head.hidden_state_indices),
         head.draft_ids_in_target.clone(),
-        lambda m, b: ttt_topk_loss(m, b, draft.ttt_steps, draft.ttt_decay),  # type: ignore[arg-type]
+        lambda m, b, *, reduce=None: ttt_topk_loss(
+            m,  # type: ignore[arg-type]
+            b,
+            draft.ttt_steps,
+            draft.ttt_decay,
+            reduce,
+        ),
         lambda b: _ttt_flops(head.config, b, draft.ttt_steps),
         lambda m, out, t: save_eagle3(m, out, t),  # type: ignore[arg-type]
     )
@@ -243,7 +271,10 @@ def standalone_layer_ids(num_layers: int, target_layers: int) -> tuple[int, ...]
 
 
 def standalone_kd_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], chunk_rows: int = 512
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    chunk_rows: int = 512,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Soft CE of the draft LM's next-token distribution against the target's top-k at every loss position
     (teacher position t = the distribution of x_{t+1}). Logits are built ``chunk_rows`` rows at a time under
@@ -270,9 +301,10 @@ def standalone_kd_loss(
         )
         ce.append(c)
         arg.append(a)
-    count = max(1, rows.shape[0])
+    n = torch.tensor([float(rows.shape[0])], device=h.device)
+    count = (n if reduce is None else reduce(n)).clamp_min(1.0)[0]  # the scored rows (of the global batch)
     loss = torch.cat(ce).sum() / count if ce else h.sum() * 0.0
-    acc = float((torch.cat(arg) == top1).float().mean()) if arg else 0.0
+    acc = float((torch.cat(arg) == top1).float().sum() / count) if arg else 0.0
     return loss, {"loss_0": float(loss.detach()), "acc_0": acc}
 
 
@@ -290,7 +322,7 @@ def standalone_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: R
         lm,
         (),
         torch.arange(info.vocab_size),
-        standalone_kd_loss,
+        lambda m, b, *, reduce=None: standalone_kd_loss(m, b, reduce=reduce),
         lambda b: 3.0 * target_forward_flops(model_config_info(lm), *_bt(b)),
         lambda m, out, t: save_standalone(m, out, t),
     )
@@ -330,12 +362,14 @@ def dflash_sft_loss(
     attention_mask: torch.Tensor | None = None,
     gamma: float = 7.0,
     chunk_rows: int = 2048,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted cross-entropy of every block offset o = 1..bs-1 against the committed token x_{n+o}, weight
     exp(-(o-1)/gamma), averaged over the valid (anchor valid, n+o < L, loss_mask) positions.
 
     Logits are produced ``chunk_rows`` rows at a time under activation checkpointing, so the (rows x V) tensor is
-    never whole. Metrics: ``loss`` and ``acc_<o>`` (top-1 accuracy per offset).
+    never whole. Metrics: ``loss`` and ``acc_<o>`` (top-1 accuracy per offset). ``reduce``: see
+    :class:`LossFn` (the weight sum and the per-offset counts are reduced).
     """
     B, L = input_ids.shape
     bs = model.config.block_size
@@ -367,10 +401,13 @@ def dflash_sft_loss(
         ce_parts.append(ce)
         hit_parts.append(hit)
     ce_all = torch.cat(ce_parts).view_as(w)
-    loss = (ce_all * w).sum() / w.sum().clamp_min(1e-6)
+    dens = torch.cat([w.sum()[None], keep.float().sum(dim=(0, 1))])  # (bs,) weight sum, count per offset
+    if reduce is not None:
+        dens = reduce(dens)
+    loss = (ce_all * w).sum() / dens[0].clamp_min(1e-6)
     with torch.no_grad():
         hits = torch.cat(hit_parts).view_as(w) * keep
-        counts = keep.float().sum(dim=(0, 1)).clamp_min(1)
+        counts = dens[1:].clamp_min(1)
         metrics = {"loss": float(loss)} | {
             f"acc_{o + 1}": float(v) for o, v in enumerate(hits.sum((0, 1)) / counts)
         }
@@ -381,7 +418,9 @@ def dflash_loss(gamma: float, anchors_per_seq: int, seed: int) -> LossFn:
     """DFlash's SFT loss at random anchors in the response (:func:`dflash_sft_loss`)."""
     g = torch.Generator().manual_seed(seed)
 
-    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(
+        model: nn.Module, batch: dict[str, torch.Tensor], *, reduce: Reduce | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         # collate marks teacher positions p >= prompt_len - 1; DFlash trains the tokens x_{p+1}
         tokens = F.pad(batch["loss_mask"][:, :-1], (1, 0)) & batch["attention_mask"]
         pos, valid = sample_anchors(tokens, anchors_per_seq, generator=g)
@@ -394,6 +433,7 @@ def dflash_loss(gamma: float, anchors_per_seq: int, seed: int) -> LossFn:
             loss_mask=tokens,
             attention_mask=batch["attention_mask"],
             gamma=gamma,
+            reduce=reduce,
         )
 
     return loss

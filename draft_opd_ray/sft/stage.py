@@ -2,6 +2,10 @@
 
 A finished warm start is cached under `<cache>/warm_starts/<key>/draft`, keyed by the target, the prompts and
 the SFT/draft settings, so later runs with the same settings reuse it (`sft.reuse=false` retrains).
+
+Where it trains: with a ``reservation`` (a run on Ray) on the `cluster.learner_ranks` learner ranks, as one
+data-parallel group (`sft/ranks.py`); without one in this process, as a group of one. The answers (vLLM) and
+the feature cache are made here in either case.
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ import dataclasses
 import hashlib
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import release_process_group
+from draft_opd_ray.sft.ranks import Reservation
 
 
 def _sft_key(cfg: Config) -> dict[str, Any]:
@@ -86,13 +91,18 @@ def dataset_answers(cfg: Config, tokenizer: Any, skip: int) -> list[Any]:
 
 
 def run_sft_stage(
-    cfg: Config, *, target: str, prompts: Sequence[list[int]], run_dir: Path, metrics: Any
+    cfg: Config,
+    *,
+    target: str,
+    prompts: Sequence[list[int]],
+    run_dir: Path,
+    metrics: Any,
+    reservation: Reservation | None = None,
 ) -> Path:
     from transformers import AutoTokenizer
 
     from draft_opd_ray.models.target import default_cache_dir
     from draft_opd_ray.sft.data import answer_trajectories, generate_trajectories, mix_trajectories
-    from draft_opd_ray.sft.trainer import run_sft
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -122,23 +132,52 @@ def run_sft_stage(
             eos_token_id=tokenizer.eos_token_id,
         )
         traj = mix_trajectories(traj, rows, cache)
-    draft = run_sft(
-        target,
-        traj,
-        run_dir,
-        sft=cfg.sft,
-        draft=cfg.draft,
-        optim=cfg.optim,
-        learner=cfg.learner,
-        teacher=cfg.teacher,
-        cache_dir=cache,
-        resume=cfg.resume,
-        seed=cfg.seed,
-        metrics=lambda m: log_sft_row(metrics, m),
-    )
-    release_process_group()
+    draft = _train(cfg, target, traj, run_dir, cache, lambda m: log_sft_row(metrics, m), reservation)
     tmp = warm.parent / ".draft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(draft, tmp)
     tmp.replace(warm)
     return Path(draft)
+
+
+def _train(
+    cfg: Config,
+    target: str,
+    traj: Path,
+    run_dir: Path,
+    cache: Path,
+    log_row: Callable[[dict[str, Any]], None],
+    reservation: Reservation | None,
+) -> Path:
+    """`run_sft` in this process, or on the learner ranks of the reservation (the feature cache built here)."""
+    from draft_opd_ray.sft.ranks import run_sft_ranks
+    from draft_opd_ray.sft.trainer import build_feature_cache, run_sft
+
+    settings: dict[str, Any] = dict(
+        sft=cfg.sft,
+        draft=cfg.draft,
+        learner=cfg.learner,
+        teacher=cfg.teacher,
+        cache_dir=cache,
+        seed=cfg.seed,
+    )
+    if reservation is None:
+        draft = run_sft(
+            target, traj, run_dir, optim=cfg.optim, resume=cfg.resume, metrics=log_row, **settings
+        )
+        release_process_group()
+        return draft
+    setup_s = build_feature_cache(target, traj, **settings)
+    return run_sft_ranks(
+        reservation,
+        cfg.cluster.learner_ranks,
+        target,
+        traj,
+        run_dir,
+        metrics=log_row,
+        cpu_threads=cfg.cluster.gpus_per_node == 0,
+        optim=cfg.optim,
+        resume=cfg.resume,
+        setup_s=setup_s,
+        **settings,
+    )

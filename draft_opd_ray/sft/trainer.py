@@ -10,6 +10,12 @@ vLLM serves), ``deepspeed/`` (engine + optimizer state) and ``training_state.pt`
 position, FLOPs), then ``checkpoints/sft/latest`` names it. ``resume=True`` continues from ``latest``. Metrics
 go to ``metrics.jsonl`` (one JSON object per step: stage, step, time, loss, loss_i, acc_i, lr, tokens_per_s,
 flops_draft, flops_target).
+
+Data-parallel ranks (``rank``/``world_size``/``master``; `sft/ranks.py` starts them as Ray actors): every rank
+walks the same global batches and schedule and trains on its share of each batch (about equal tokens). The loss is
+normalised by the global batch's counts (the recipe's ``reduce``) and scaled by the rank count, so that after
+DeepSpeed averages the gradients L ranks update exactly as one rank on the whole batch; token counts, FLOPs and
+the budgets are the global batch's. Rank 0 writes the exports, checkpoints and metrics rows.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from tqdm import tqdm
 
 from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
-from draft_opd_ray.device import resolve_dtype
-from draft_opd_ray.distributed import init_process_group
+from draft_opd_ray.device import actor_device, resolve_dtype
+from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.models.target import read_target_info
+from draft_opd_ray.opd.batch import balanced_shards
 from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
 from draft_opd_ray.sft.features import (
@@ -43,7 +50,7 @@ from draft_opd_ray.sft.features import (
     forward_dtype,
     length_batches,
 )
-from draft_opd_ray.sft.recipes import Recipe, build_recipe
+from draft_opd_ray.sft.recipes import Recipe, Reduce, build_recipe
 
 log = logging.getLogger(__name__)
 
@@ -56,27 +63,43 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 # --------------------------------------------------------------------------------------------------
 
 
-def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Right-padded batch. loss_mask marks teacher positions p >= prompt_len - 1 (predicting response tokens)."""
-    B, T = len(items), max(int(s.input_ids.numel()) for s in items)
-    k, AH = items[0].topk_ids.shape[-1], items[0].features.shape[-1]
+def mask_batch(lengths: Sequence[int], prompt_lens: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The masks of a right-padded batch of sequences of these lengths (input_ids all zero): what token counts and
+    FLOPs of a batch need. loss_mask marks teacher positions p >= prompt_len - 1 (predicting response tokens)."""
+    B, T = len(lengths), max(lengths)
     b = {
         "input_ids": torch.zeros(B, T, dtype=torch.long),
         "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+    }
+    for j, (n, p) in enumerate(zip(lengths, prompt_lens)):
+        b["attention_mask"][j, :n] = True
+        b["loss_mask"][j, max(0, p - 1) : n] = True
+    return b
+
+
+def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Right-padded batch (masks: :func:`mask_batch`) with the features and soft labels."""
+    b = mask_batch([int(s.input_ids.numel()) for s in items], [s.prompt_len for s in items])
+    B, T = b["input_ids"].shape
+    k, AH = items[0].topk_ids.shape[-1], items[0].features.shape[-1]
+    b |= {
         "features": torch.zeros(B, T, AH, dtype=dtype),
         "topk_ids": torch.zeros(B, T, k, dtype=torch.long),
         "topk_p": torch.zeros(B, T, k),
         "top1": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
     }
     for j, s in enumerate(items):
         n = int(s.input_ids.numel())
         b["input_ids"][j, :n] = s.input_ids
-        b["attention_mask"][j, :n] = True
         b["features"][j, :n] = s.features.to(dtype)
         b["topk_ids"][j, :n], b["topk_p"][j, :n], b["top1"][j, :n] = s.topk_ids, s.topk_p, s.top1
-        b["loss_mask"][j, max(0, s.prompt_len - 1) : n] = True
     return b
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The recipes' ``reduce``: ``t`` summed over the data-parallel group."""
+    return torch.tensor(all_reduce_sum(t.flatten().tolist()), dtype=t.dtype, device=t.device).view_as(t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -120,16 +143,34 @@ class TrainState:
 def save_checkpoint(
     engine: Any, state: TrainState, root: Path, target: str | os.PathLike[str], recipe: Recipe
 ) -> Path:
-    """step_<n>/{draft/, deepspeed/, training_state.pt}, atomically; returns the draft folder."""
+    """step_<n>/{draft/, deepspeed/, training_state.pt}, atomically; returns the draft folder. Rank 0 writes the
+    folder; DeepSpeed's save is collective, so the other ranks write their part of it into rank 0's temporary
+    folder, whose name rank 0 sends them."""
     name = f"step_{state.step}"
     state.checkpoints = [*state.checkpoints, name]
+    rank, ranks = world()
+    if rank != 0:
+        tmp = _broadcast_path(None)
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
+        return root / name / "draft"
 
     def fill(tmp: Path) -> None:
-        recipe.save(copy.deepcopy(engine.module).float(), tmp / "draft", target)
+        recipe.save(copy.deepcopy(engine.module).to("cpu", torch.float32), tmp / "draft", target)
+        if ranks > 1:
+            _broadcast_path(tmp)
         engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
         torch.save(asdict(state), tmp / "training_state.pt")
 
     return write_checkpoint(root, name, fill) / "draft"
+
+
+def _broadcast_path(path: Path | None) -> Path:
+    """Rank 0's ``path``, on every rank."""
+    import torch.distributed as dist
+
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0, device=actor_device() if dist.get_backend() == "nccl" else None)
+    return Path(str(box[0]))
 
 
 def _jsonl_writer(path: Path) -> MetricsCallback:
@@ -145,6 +186,21 @@ def _jsonl_writer(path: Path) -> MetricsCallback:
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
+
+
+def _cache_path(
+    trajectories: Path,
+    recipe: Recipe,
+    teacher: TeacherConfig,
+    dtype_name: str,
+    cache_dir: str | os.PathLike[str],
+) -> Path:
+    """The feature cache file of these trajectories for this recipe, teacher and stored precision."""
+    topk = teacher.topk or len(recipe.label_ids)
+    key = FeatureCache.key(
+        trajectories, recipe.feature_ids, recipe.label_ids, topk, dtype_name, forward_dtype(teacher.dtype)
+    )
+    return Path(cache_dir) / "sft_features" / f"{key}.safetensors"
 
 
 def _feature_source(
@@ -165,12 +221,11 @@ def _feature_source(
     topk = teacher.topk or len(draft_ids)
     forward = forward_dtype(teacher.dtype)
     if mode == "cache":
-        key = FeatureCache.key(trajectories, aux, draft_ids, topk, dtype_name, forward)
         return FeatureCache.build(
             target,
             seqs,
             plens,
-            Path(cache_dir) / "sft_features" / f"{key}.safetensors",
+            _cache_path(trajectories, recipe, teacher, dtype_name, cache_dir),
             aux,
             draft_ids,
             topk=topk,
@@ -189,9 +244,13 @@ def _engine(
     sft: SFTConfig,
     optim: OptimConfig,
     learner: LearnerConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    master: tuple[str, int] | None = None,
 ) -> tuple[Any, Any]:
-    """DeepSpeed engine (ZeRO stage and precision from ``learner``) over the weights both arms train; AdamW."""
-    init_process_group(learner.backend)
+    """DeepSpeed engine (ZeRO stage and precision from ``learner``) over the weights both arms train; AdamW. The
+    process joins the data-parallel group (one rank: a group of one) first."""
+    init_process_group(learner.backend, rank=rank, world_size=world_size, master=master)
     engine, opt, _ = build_engine(
         model,
         trainable_parameters(model, kind, draft.train_lm_head),
@@ -203,6 +262,49 @@ def _engine(
         grad_clip=optim.grad_clip,
     )
     return engine, opt
+
+
+def _sequences(trajectories: str | os.PathLike[str], max_seq_len: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt + response token ids, prompt lengths) of the trajectories with an answer, cut at max_seq_len."""
+    rows = [r for r in read_trajectories(trajectories) if r.response_ids]
+    seqs = [(r.prompt_ids + r.response_ids)[:max_seq_len] for r in rows]
+    return seqs, [min(len(r.prompt_ids), max_seq_len) for r in rows]
+
+
+def build_feature_cache(
+    target: str | os.PathLike[str],
+    trajectories: str | os.PathLike[str],
+    *,
+    sft: SFTConfig,
+    draft: DraftConfig,
+    learner: LearnerConfig,
+    cache_dir: str | os.PathLike[str],
+    teacher: TeacherConfig | None = None,
+    max_seq_len: int = 1024,
+    seed: int = 0,
+) -> float:
+    """The feature cache file `run_sft` reads (``feature_mode="cache"``), built here if missing (the target
+    forward of every trajectory, in this process), so that data-parallel ranks only load it. Seconds spent."""
+    t0 = time.monotonic()
+    seqs, plens = _sequences(trajectories, max_seq_len)
+    # the features and labels a recipe needs do not depend on how its draft is initialised: skip the copy
+    recipe = build_recipe(
+        target, draft, seqs=seqs, prompt_lens=plens, init="random", start_from=sft.start_from, seed=seed
+    )
+    teacher, dtype_name = teacher or TeacherConfig(), resolve_dtype(learner.dtype)
+    if not _cache_path(Path(trajectories), recipe, teacher, dtype_name, cache_dir).is_file():
+        _feature_source(
+            Path(target),
+            Path(trajectories),
+            recipe,
+            seqs,
+            plens,
+            mode="cache",
+            teacher=teacher,
+            dtype_name=dtype_name,
+            cache_dir=cache_dir,
+        )
+    return time.monotonic() - t0
 
 
 def run_sft(
@@ -224,6 +326,10 @@ def run_sft(
     seed: int = 0,
     metrics: MetricsCallback | None = None,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    master: tuple[str, int] | None = None,
+    setup_s: float = 0.0,
 ) -> Path:
     """Train ``draft.kind``'s recipe on target trajectories; returns the final vLLM-loadable draft folder.
 
@@ -235,16 +341,19 @@ def run_sft(
     ``sft.start_from``: continue from an exported draft (its weights and vocabulary; fresh optimizer) instead of
     a new one; then the target forward of every batch is charged as if its features were computed on the fly
     (the matched-FLOPs baseline, P1). ``sft.max_flops``: stop once draft + target FLOPs reach it.
+
+    ``rank``, ``world_size``, ``master``: this process's place in the data-parallel group (module docstring);
+    only rank 0 emits metrics and shows progress. ``setup_s``: seconds already spent on this SFT elsewhere (the
+    driver's feature pass), charged to the wall-clock cap and reported in ``feature_s``.
     """
-    t0 = time.monotonic()
+    t0 = time.monotonic() - setup_s
     target, run_dir = Path(target), Path(run_dir)
     root = run_dir / "checkpoints" / "sft"
+    if rank != 0:
+        metrics, progress = (lambda m: None), False
     emit = metrics or _jsonl_writer(run_dir / "metrics.jsonl")
     info = read_target_info(target)
-
-    rows = read_trajectories(trajectories)
-    seqs = [(r.prompt_ids + r.response_ids)[:max_seq_len] for r in rows if r.response_ids]
-    plens = [min(len(r.prompt_ids), max_seq_len) for r in rows if r.response_ids]
+    seqs, plens = _sequences(trajectories, max_seq_len)
     recipe = build_recipe(
         target, draft, seqs=seqs, prompt_lens=plens, init=init, start_from=sft.start_from, seed=seed
     )
@@ -260,18 +369,11 @@ def run_sft(
         cache_dir=cache_dir,
     )
     feature_s = time.monotonic() - t0
-    engine, opt = _engine(recipe.model, recipe.kind, draft, sft, optim, learner)
+    engine, opt = _engine(recipe.model, recipe.kind, draft, sft, optim, learner, rank, world_size, master)
 
-    state = TrainState()
-    last = latest_checkpoint(root, "training_state.pt") if resume else None
-    if last is not None:
-        engine.load_checkpoint(str(last / "deepspeed"), tag="state")
-        state = TrainState(**torch.load(last / "training_state.pt", weights_only=False))
-        log.info("resumed from %s (step %d)", last, state.step)
-    else:
-        state.budget_s_used = state.train_start_s = feature_s
-        if feature_mode == "cache" and sft.start_from is None:
-            state.flops_target = sum(target_forward_flops(info, 1, len(s)) for s in seqs)
+    state = _start_state(
+        engine, root, resume, feature_s, feature_mode == "cache" and sft.start_from is None, info, seqs
+    )
     charge_target = feature_mode == "on_the_fly" or sft.start_from is not None
     final = _train(
         engine,
@@ -306,6 +408,24 @@ def run_sft(
     return final
 
 
+def _start_state(
+    engine: Any, root: Path, resume: bool, feature_s: float, charge_cache: bool, info: Any, seqs: Any
+) -> TrainState:
+    """The training state to start from: the last checkpoint's (``resume``), or a fresh one charged with the
+    feature pass (its time, and the target FLOPs of the cached features when ``charge_cache``)."""
+    last = latest_checkpoint(root, "training_state.pt") if resume else None
+    if last is not None:
+        engine.load_checkpoint(str(last / "deepspeed"), tag="state")
+        state = TrainState(**torch.load(last / "training_state.pt", weights_only=False))
+        log.info("resumed from %s (step %d)", last, state.step)
+        return state
+    state = TrainState()
+    state.budget_s_used = state.train_start_s = feature_s
+    if charge_cache:
+        state.flops_target = sum(target_forward_flops(info, 1, len(s)) for s in seqs)
+    return state
+
+
 def _budget_spent(state: TrainState, sft: SFTConfig, out_of_time: bool, max_steps: int | None) -> bool:
     """Whether any budget has ended: trained tokens, FLOPs, the wall-clock cap, or the test cap on steps."""
     return (
@@ -335,6 +455,42 @@ def _step_row(
         "flops_draft": state.flops_draft,
         "flops_target": state.flops_target,
     }
+
+
+def _out_of_time(used: float, budget_s: float) -> bool:
+    """Whether the wall-clock cap is reached, on any rank (every rank stops at the same step)."""
+    if math.isinf(budget_s):
+        return False
+    return all_reduce_sum([float(used >= budget_s)])[0] > 0
+
+
+def _step(
+    engine: Any,
+    recipe: Recipe,
+    source: FeatureCache | OnTheFlyFeatures,
+    idx: Sequence[int],
+    dtype: torch.dtype,
+) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
+    """One optimizer step on the global batch ``idx``: this rank's share forward and backward on its device, then
+    DeepSpeed's update on the gradients averaged over the ranks. Returns the global batch's loss and metrics
+    (the ranks' shares summed) and its masks (:func:`mask_batch`), which token counts and FLOPs are taken from."""
+    rank, ranks = world()
+    lengths = [source.length(i) for i in idx]
+    whole = mask_batch(lengths, [source.prompt_lens[i] for i in idx])
+    share = [idx[j] for j in balanced_shards(lengths, ranks)[rank]]
+    fetch = share or list(idx[:1])
+    items = source.get_many(fetch) if isinstance(source, OnTheFlyFeatures) else [source.get(i) for i in fetch]
+    batch = collate(items, dtype)
+    if not share:  # fewer sequences than ranks: a forward that scores nothing keeps the collectives in step
+        batch["loss_mask"].zero_()
+    device = actor_device()
+    batch = {k: v.to(device) for k, v in batch.items()}
+    reduce: Reduce | None = _sum_over_ranks if ranks > 1 else None
+    loss, m = recipe.loss(engine.module, batch, reduce=reduce)
+    engine.backward(loss * ranks)  # DeepSpeed averages the ranks' gradients; the shares add up to the loss
+    engine.step()
+    values = all_reduce_sum([float(loss.detach()), *m.values()])
+    return values[0], dict(zip(m, values[1:])), whole
 
 
 def _train(
@@ -381,7 +537,7 @@ def _train(
         batches = length_batches(lengths, sft.batch_tokens, seed + state.epoch)
         while state.batch_in_epoch < len(batches):
             used = start_used + (time.monotonic() - wall0)
-            if _budget_spent(state, sft, used >= budget_s, max_steps):
+            if _budget_spent(state, sft, _out_of_time(used, budget_s), max_steps):
                 break
             progress_frac = schedule_progress(
                 state.step,
@@ -394,15 +550,8 @@ def _train(
             lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
             for g in opt.param_groups:
                 g["lr"] = lr
-            idx = batches[state.batch_in_epoch]
             tic = time.monotonic()
-            items = (
-                source.get_many(idx) if isinstance(source, OnTheFlyFeatures) else [source.get(i) for i in idx]
-            )
-            batch = collate(items, dtype)
-            loss, m = recipe.loss(engine.module, batch)
-            engine.backward(loss)
-            engine.step()
+            loss, m, batch = _step(engine, recipe, source, batches[state.batch_in_epoch], dtype)
             dt = time.monotonic() - tic
             B, T = batch["input_ids"].shape
             ntok = int(batch["loss_mask"].sum())
@@ -414,11 +563,11 @@ def _train(
             if charge_target:
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
-            emit(_step_row(state, float(loss.detach()), m, lr, ntok, B * T, dt))
+            emit(_step_row(state, loss, m, lr, ntok, B * T, dt))
             bar.update(ntok if by_tokens else 1)
             bar.set_postfix(
                 step=state.step,
-                loss=f"{float(loss.detach()):.3f}",
+                loss=f"{loss:.3f}",
                 acc=f"{m.get('acc_0', m.get('acc_1', 0)):.2f}",
                 tok_s=f"{ntok / dt:.0f}",
             )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.loop import loss_spec
+from draft_opd_ray.opd.actors import loss_spec
 
 pytestmark = pytest.mark.deepspeed
 

@@ -11,8 +11,9 @@ import pytest
 
 from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.config.schema import AnchorConfig, Config, LossConfig, ReplayConfig
+from draft_opd_ray.opd.actors import loss_spec
 from draft_opd_ray.opd.learner import split_mini_batches
-from draft_opd_ray.opd.loop import loss_spec, replay_items, take_rounds
+from draft_opd_ray.opd.loop import replay_items, take_rounds
 from draft_opd_ray.rollout.records import RequestRecord, consistency_error
 from tests.helpers import synth
 

@@ -74,3 +74,41 @@ def test_plan_is_built_from_the_cluster_node() -> None:
 def test_plan_reports_shortfall() -> None:
     with pytest.raises(ConfigError, match="cannot place replay #0 .*free per node: node 0: 4 GPU"):
         plan_for(compose(["+cluster=8xA100", "cluster.cpus_per_replay=80"]))
+
+
+def test_one_gpu_shared_by_every_role() -> None:
+    """`+cluster=gpu_shared`: fractional GPU shares on one GPU, bundles asking for exactly those shares."""
+    plan = plan_for(compose(["+cluster=gpu_shared"]))
+    assert [(s.role, s.gpus, s.share) for s in plan.slots if s.role != "driver"] == [
+        ("rollout", (0,), 0.5),
+        ("replay", (0,), 0.25),
+        ("learner", (0,), 0.25),
+    ]
+    assert plan.bundles() == [{"CPU": 2.0, "GPU": 0.5}, {"CPU": 2.0, "GPU": 0.25}, {"CPU": 2.0, "GPU": 0.25}]
+    assert plan.gpus_used() == 1 and "0 (0.5)" in plan.render()
+
+
+def test_shares_fill_the_fullest_gpu_that_fits() -> None:
+    """Best fit: shares pack onto partly used GPUs before a fresh one; a share larger than any GPU's rest fails."""
+    cfg = compose(
+        [
+            "+cluster=gpu_shared",
+            "cluster.gpus_per_node=2",
+            "cluster.replay_actors=2",
+            "cluster.gpus_per_replay=0.5",
+            "cluster.cpus_per_node=16",
+        ]
+    )
+    plan = plan_for(cfg)
+    assert [s.gpus for s in plan.slots if s.role != "driver"] == [(0,), (0,), (1,), (1,)]
+    with pytest.raises(ConfigError, match="need 2.25 GPUs"):
+        plan_for(compose(["+cluster=gpu_shared", "cluster.replay_actors=3", "cluster.gpus_per_replay=0.5"]))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("cluster.gpus_per_replay=0", "gpus_per_replay"), ("cluster.gpus_per_learner=1.5", "gpus_per_learner")],
+)
+def test_gpu_shares_are_checked(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        compose([override])

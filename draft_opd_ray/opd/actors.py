@@ -1,0 +1,306 @@
+"""The Draft-OPD roles started in their bundles, and the driver's handles on the groups of them.
+
+start_actors   every slot of the plan as a Ray actor in its own bundle: R rollout workers, M replay actors,
+               L learner ranks (one DeepSpeed data-parallel group meeting at rank 0)
+ReplayGroup    one step's sequences split over the M replay actors, balanced by the tokens each forward
+               scores, and the teacher items put back in order
+LearnerGroup   one step on the L ranks: each mini-batch group split over the ranks (balanced by the student's
+               block positions); the ranks sum the denominator first, so L ranks update exactly as one would
+               on the whole group (tests/integration/test_scale_equivalence.py); rank 0 publishes and saves
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from draft_opd_ray.algo.loss import LossSpec
+from draft_opd_ray.config.schema import Config, LossConfig
+from draft_opd_ray.device import resolve_dtype
+from draft_opd_ray.opd.batch import (
+    ReplayItem,
+    TeacherItem,
+    balanced_shards,
+    learner_cost,
+    replay_cost,
+)
+from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
+
+
+def loss_spec(c: LossConfig) -> LossSpec:
+    """The objective's settings: the fields LossSpec shares with `loss.*`, and the clamp."""
+    same = {f.name: getattr(c, f.name) for f in dataclasses.fields(LossSpec) if hasattr(c, f.name)}
+    return LossSpec(**same, clamp=c.logprob_clamp)
+
+
+Options = Callable[[str, int], dict[str, Any]]  # (role, rank) -> Ray actor options in that slot's bundle
+
+
+class ReplayGroup:
+    """The replay actors as one: `score` splits the sequences over them and returns the items in order."""
+
+    def __init__(self, actors: Sequence[Any]) -> None:
+        self.actors = list(actors)
+        self.last_shares = [0] * len(self.actors)  # sequences each actor scored in the last call
+
+    def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
+        import ray
+
+        shards = balanced_shards([replay_cost(it) for it in items], len(self.actors))
+        self.last_shares = [len(s) for s in shards]
+        refs = [(s, a.score.remote([items[i] for i in s])) for a, s in zip(self.actors, shards) if s]
+        out: list[TeacherItem | None] = [None] * len(items)
+        for s, got in zip([s for s, _ in refs], ray.get([r for _, r in refs])):
+            for i, t in zip(s, got):
+                out[i] = t
+        assert all(t is not None for t in out)
+        return out  # type: ignore[return-value]
+
+    def scored_sequences(self) -> list[int]:
+        import ray
+
+        return [int(n) for n in ray.get([a.scored_sequences.remote() for a in self.actors])]
+
+
+def merge_rank_rows(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from the ranks' rows: counts, FLOPs and the loss (each rank's share of the normalised
+    objective) add up; the denominator (summed over the ranks already), lr and update count are rank 0's."""
+    if all("skipped" in r for r in rows):
+        return {"skipped": 1.0}
+    shared = ("denominator", "lr", "updates")
+    out = {k: v for k, v in rows[0].items() if k in shared}
+    for r in rows:
+        for k, v in r.items():
+            if k not in shared:
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+class LearnerGroup:
+    """The learner ranks as one: `step` shares every mini-batch group between them; rank 0 holds what is
+    published and saved (all ranks hold the same weights after every update)."""
+
+    def __init__(self, ranks: Sequence[Any]) -> None:
+        self.ranks = list(ranks)
+        self.rank0 = self.ranks[0]
+
+    def shards(self, batch: Sequence[TeacherItem], mini_batches: int) -> list[list[list[TeacherItem]]]:
+        """[rank][group] -> that rank's sequences of that mini-batch group (the same groups on every rank)."""
+        from draft_opd_ray.opd.learner import split_mini_batches
+
+        groups = split_mini_batches(batch, mini_batches)
+        out: list[list[list[TeacherItem]]] = [[] for _ in self.ranks]
+        for g in groups:
+            for r, s in enumerate(balanced_shards([learner_cost(t) for t in g], len(self.ranks))):
+                out[r].append([g[i] for i in s])
+        return out
+
+    def step(self, batch: Sequence[TeacherItem], mini_batches: int) -> dict[str, float]:
+        import ray
+
+        parts = self.shards(batch, mini_batches)
+        rows = ray.get([r.step_shards.remote(p) for r, p in zip(self.ranks, parts)])
+        return merge_rank_rows(rows)
+
+    def optimizer_states(self) -> list[dict[str, Any]]:
+        import ray
+
+        return list(ray.get([r.optimizer_state.remote() for r in self.ranks]))
+
+    def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """Each rank its own state (ZeRO shards differ); a checkpoint of another rank count is refused."""
+        import ray
+
+        if len(states) != len(self.ranks):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} learner rank state(s), the run has {len(self.ranks)}"
+            )
+        ray.get([r.load_optimizer_state.remote(s) for r, s in zip(self.ranks, states)])
+
+
+@dataclass
+class Actors:
+    workers: list[Any]
+    replay: ReplayGroup
+    learner: LearnerGroup
+    world_size: int
+    release: Callable[[], None]
+
+
+def local_options(plan: PlacementPlan, timeout_s: float) -> tuple[Options, Callable[[], None]]:
+    """A placement group on the running Ray with one bundle per slot in plan order (no node binding: for a
+    single node, or when no reservation was made before the first stage)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from draft_opd_ray.errors import ConfigError
+
+    slots = [s for s in plan.slots if s.role != DRIVER]
+    pg = placement_group(plan.bundles(), strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"cluster: the plan's {len(slots)} actors could not be placed within {timeout_s:g} s "
+            f"(Ray has {ray.available_resources()})"
+        )
+    index = {(s.role, s.index): i for i, s in enumerate(slots)}
+
+    def opts(role: str, rank: int) -> dict[str, Any]:
+        s = slots[index[(role, rank)]]
+        return {
+            "num_cpus": s.cpus,
+            "num_gpus": s.gpu_share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=index[(role, rank)]
+            ),
+        }
+
+    return opts, lambda: remove_placement_group(pg)
+
+
+def start_actors(
+    cfg: Config,
+    plan: PlacementPlan,
+    target: str,
+    draft_dir: str,
+    total_updates: int,
+    reservation: Any = None,
+) -> Actors:
+    """Every slot of the plan as an actor in its bundle: the reservation's (`draft_opd_ray.cluster`, bound to the
+    plan's nodes), or a placement group made here."""
+    if reservation is not None:
+        opts: Options = reservation.options
+        release: Callable[[], None] = lambda: None  # noqa: E731 - the caller releases its reservation
+    else:
+        opts, release = local_options(plan, cfg.cluster.reserve_timeout_s)
+    cpu = cfg.cluster.gpus_per_node == 0
+    workers = _rollout_workers(cfg, plan, target, draft_dir, opts, cpu)
+    replay = ReplayGroup(
+        [_replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu) for s in plan.of(REPLAY)]
+    )
+    ranks, world = _learner_ranks(cfg, plan, target, draft_dir, total_updates, opts, cpu)
+    return Actors(workers, replay, LearnerGroup(ranks), world, release)
+
+
+def _rollout_workers(
+    cfg: Config, plan: PlacementPlan, target: str, draft_dir: str, opts: Options, cpu: bool
+) -> list[Any]:
+    import ray
+
+    from draft_opd_ray.opd.nccl_sync import weight_sync_kind
+    from draft_opd_ray.rollout.worker import RolloutWorker
+
+    ncores = os.cpu_count() or 1
+    c = cfg.cluster
+    nccl = weight_sync_kind(cfg.rollout.weight_sync, c.num_nodes, c.gpus_per_node) == "nccl"
+    return [
+        ray.remote(RolloutWorker)
+        .options(**opts(ROLLOUT, s.index))
+        .remote(
+            s.index,
+            target,
+            draft_kind=cfg.draft.kind,
+            draft_path=draft_dir,
+            num_speculative_tokens=cfg.draft.num_speculative_tokens,
+            max_model_len=cfg.target.max_model_len,
+            dtype=cfg.target.dtype,
+            kvcache_gb=cfg.rollout.kvcache_gb,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            cpu_bind=str(s.index % ncores) if cpu else None,
+            seed=cfg.seed,
+            tensor_parallel=len(s.gpus) or 1,
+            weight_transfer="nccl" if nccl else None,
+        )
+        for s in plan.of(ROLLOUT)
+    ]
+
+
+def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, Any], cpu: bool) -> Any:
+    import ray
+
+    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.students import replay_needs
+
+    feature_ids, draft_ids = replay_needs(cfg.draft.kind, draft_dir, target)
+    return (
+        ray.remote(ReplayActor)
+        .options(**options)
+        .remote(
+            target,
+            aux_layer_ids=feature_ids,
+            draft_ids=draft_ids,
+            k=cfg.draft.num_speculative_tokens,
+            dtype=resolve_dtype(cfg.teacher.dtype),
+            num_threads=1 if cpu else None,
+            payload="topk" if cfg.teacher.topk is not None else "full",
+            topk=cfg.teacher.topk or 1,
+            teacher=cfg.loss.objective == "opd",
+            mode=cfg.replay.mode,
+            draft_kind=cfg.draft.kind,
+            draft_dir=draft_dir,
+        )
+    )
+
+
+def _learner_ranks(
+    cfg: Config,
+    plan: PlacementPlan,
+    target: str,
+    draft_dir: str,
+    total_updates: int,
+    opts: Options,
+    cpu: bool,
+) -> tuple[list[Any], int]:
+    o = cfg.optim
+    settings: dict[str, Any] = dict(
+        kind=cfg.draft.kind,
+        spec=loss_spec(cfg.loss),
+        objective=cfg.loss.objective,
+        lr=o.lr,
+        betas=o.betas,
+        weight_decay=o.weight_decay,
+        warmup_ratio=o.warmup_ratio,
+        schedule=o.schedule,
+        total_steps=total_updates,
+        zero_stage=cfg.learner.zero_stage,
+        grad_clip=o.grad_clip,
+        dtype=resolve_dtype(cfg.learner.dtype),
+        train_lm_head=cfg.draft.train_lm_head,
+        num_threads=1 if cpu else None,
+        backend=cfg.learner.backend,
+    )
+    n = len(plan.of(LEARNER))
+    ranks = start_learner_ranks(n, lambda r: opts(LEARNER, r), draft_dir, target, **settings)
+    return ranks, n
+
+
+def start_learner_ranks(
+    n: int, options: Callable[[int], dict[str, Any]], draft_dir: str, target: str, **settings: Any
+) -> list[Any]:
+    """``n`` `Learner` actors forming one data-parallel group (``settings``: the Learner's keywords). A task in
+    rank 0's bundle finds a free port on its node; every rank then joins there (DeepSpeed's process group forms
+    once all ``n`` constructors run)."""
+    import ray
+
+    from draft_opd_ray.distributed import rendezvous_address
+    from draft_opd_ray.opd.learner import Learner
+
+    master = None
+    if n > 1:
+        where = {k: v for k, v in options(0).items() if k == "scheduling_strategy"}
+        master = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, **where).remote())
+    ranks = [
+        ray.remote(Learner)
+        .options(**options(r))
+        .remote(draft_dir, target, **settings, rank=r, world_size=n, master=master)
+        for r in range(n)
+    ]
+    sizes = ray.get([r.world_size.remote() for r in ranks])  # type: ignore[attr-defined]
+    if set(sizes) != {n}:
+        raise RuntimeError(f"learner ranks report world sizes {sizes}, expected {n}")
+    return ranks

@@ -1,0 +1,136 @@
+"""SFT on the learner ranks: `cluster.learner_ranks` Ray actors forming one DeepSpeed data-parallel group.
+
+The driver builds the feature cache first (the target forward of every trajectory, in the driver process, as
+for one rank), then starts one :class:`SFTRank` per rank in the bundle the placement plan reserves for it
+(``reservation.options(LEARNER, r)``). Rank 0 reports the rendezvous address; every rank runs `run_sft` on its
+share of every global batch (the same batches, schedule and budgets as one rank: `sft/trainer.py`). Rank 0
+writes the exports and checkpoints and keeps its metrics rows, which the driver collects while the ranks train
+and logs in order. The ranks read the trajectories and the feature cache and write the run directory: on
+several nodes these must be on a shared file system.
+
+On a CPU cluster Ray gives each actor OMP threads = its CPU share (often one); nothing else runs during SFT, so
+each rank takes its node's cores divided by the ranks on that node.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from draft_opd_ray.placement import LEARNER
+
+
+class Reservation(Protocol):
+    """Ray actor options bound to the placement plan's bundle of ``(role, index)``."""
+
+    def options(self, role: str, index: int) -> dict[str, Any]: ...
+
+
+class SFTRank:
+    """One data-parallel rank of the SFT stage (a Ray actor; rank 0 with ``max_concurrency=2`` so that its rows
+    can be collected while it trains)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def node(self) -> tuple[str, int]:
+        """(Ray node id, usable cores of this process) where the rank runs."""
+        import ray
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return str(ray.get_runtime_context().get_node_id()), cores
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous address for the group."""
+        from draft_opd_ray.distributed import rendezvous_address
+
+        return rendezvous_address()
+
+    def train(
+        self,
+        master: tuple[str, int] | None,
+        threads: int | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> str:
+        """`run_sft(*args, **kwargs)` as this rank; returns the final draft folder (rank 0's is the one written).
+        ``threads``: torch threads, set here because OpenMP's count belongs to the thread that trains."""
+        import torch
+
+        from draft_opd_ray.distributed import release_process_group
+        from draft_opd_ray.sft.trainer import run_sft
+
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            out = run_sft(
+                *args,
+                **kwargs,
+                metrics=self._keep,
+                rank=self.rank,
+                world_size=self.world_size,
+                master=master,
+            )
+        finally:
+            release_process_group()
+        return str(out)
+
+    def _keep(self, row: dict[str, Any]) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The metrics rows since the last call."""
+        with self._lock:
+            out, self._rows = self._rows, []
+        return out
+
+
+def rank_threads(nodes: list[tuple[str, int]]) -> list[int]:
+    """Torch threads of each rank on a CPU cluster: its node's cores shared by the ranks on that node."""
+    per_node: dict[str, int] = {}
+    for n, _ in nodes:
+        per_node[n] = per_node.get(n, 0) + 1
+    return [max(1, cores // per_node[n]) for n, cores in nodes]
+
+
+def run_sft_ranks(
+    reservation: Reservation,
+    ranks: int,
+    *args: Any,
+    metrics: Callable[[dict[str, Any]], None],
+    cpu_threads: bool,
+    poll_s: float = 2.0,
+    **kwargs: Any,
+) -> Path:
+    """`run_sft(*args, **kwargs)` on ``ranks`` data-parallel Ray actors in the reservation's learner bundles;
+    ``metrics`` gets rank 0's rows as they come. ``cpu_threads``: set each rank's torch threads from its node's
+    cores (:func:`rank_threads`). The actors are gone when this returns (or raises: a failed rank ends all)."""
+    import ray
+
+    actors: list[Any] = [  # Ray's handles (untyped: methods are called through .remote)
+        ray.remote(SFTRank)
+        .options(**reservation.options(LEARNER, r), max_concurrency=2 if r == 0 else 1)
+        .remote(r, ranks)
+        for r in range(ranks)
+    ]
+    try:
+        nodes = ray.get([a.node.remote() for a in actors])
+        threads = rank_threads(nodes) if cpu_threads else [None] * ranks
+        master = ray.get(actors[0].address.remote()) if ranks > 1 else None
+        pending = [a.train.remote(master, t, args, kwargs) for a, t in zip(actors, threads)]
+        final = pending[0]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+            ray.get(done)  # a failed rank raises here; the others, stuck in a collective, are ended below
+            for row in ray.get(actors[0].rows.remote()):
+                metrics(row)
+        return Path(ray.get(final))
+    finally:
+        for a in actors:
+            ray.kill(a)
