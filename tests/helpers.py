@@ -261,7 +261,7 @@ def edit_config(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 def run_main(*overrides: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m draft_opd_ray.main <overrides>`` from the repository root; ``env`` adds variables."""
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
     return subprocess.run(
         [sys.executable, "-m", "draft_opd_ray.main", *overrides],
         cwd=REPO,

@@ -271,3 +271,60 @@ def test_four_job_multirun_on_one_cluster_leaves_nothing_behind(
         ray.shutdown()
     assert not alive and not held, (alive, held)
     assert len(namespaces) == 4  # one per job
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+def test_two_node_run_places_every_slot_where_the_plan_says(
+    local_cluster: LocalCluster, tiny_target: Path, tiny_draft: Path
+) -> None:
+    """`+cluster=cpu_2node`, 3 Draft-OPD steps on the tiny target: 2 rollout workers, 2 replay actors and 2 learner
+    ranks, each on the node the dry run printed (Ray's state API), a data-parallel group of 2, both replay actors
+    scoring, and nothing left running afterwards."""
+    import json
+
+    import ray
+    from ray.util.state import list_actors, list_placement_groups
+
+    from draft_opd_ray.cluster import live_nodes
+    from draft_opd_ray.config.store import compose
+    from draft_opd_ray.config.validate import plan_for
+
+    run_dir = local_cluster.storage / "runs" / "two_node"
+    overrides = [
+        "+cluster=cpu_2node",
+        "stages=[opd]",
+        f"target.path={tiny_target}",
+        f"draft.path={tiny_draft}",
+        "draft.aux_layer_ids=[0,1,2]",
+        "opd.steps=3",
+        "rollout.prompts_per_round=2",
+        "rollout.max_new_tokens=16",
+        "data.train.max_prompts=8",
+        "wandb.mode=disabled",
+    ]
+    env = {**local_cluster.env, "RAY_ADDRESS": local_cluster.address}
+    r = helpers.run_main(*overrides, f"hydra.run.dir={run_dir}", timeout=1500, **env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if x.get("stage") == "opd" and "loss" in x]
+    assert len(steps) == 3 and {x["learner_world_size"] for x in steps} == {2}
+    assert all(sum(x.get(f"replay{i}_seqs", 0) for x in steps) > 0 for i in (0, 1))
+
+    plan = plan_for(compose(overrides[:1]))
+    ray.init(address=local_cluster.address, namespace="test_cluster_two_node", include_dashboard=False)
+    try:
+        nodes = [n.node_id for n in live_nodes(ray.nodes())]
+        actors = list_actors(address=local_cluster.address, detail=True, limit=1000)
+        pgs = list_placement_groups(address=local_cluster.address, detail=True, limit=1000)
+    finally:
+        ray.shutdown()
+    ns = {a.ray_namespace for a in actors if a.class_name == "Learner"}
+    ours = [a for a in actors if a.ray_namespace in ns]
+    for cls, role in (("RolloutWorker", "rollout"), ("ReplayActor", "replay"), ("Learner", "learner")):
+        ran = sorted(a.node_id for a in ours if a.class_name == cls)
+        want = sorted(nodes[s.node] for s in plan.of(role))
+        assert ran == want, (cls, ran, want)
+    assert not [a for a in ours if a.state != "DEAD"]
+    assert not [p for p in pgs if p.state != "REMOVED"]

@@ -74,7 +74,7 @@ def _make(transport: str, receivers: list[Any]) -> Any:
     return SharedFileWeightSync(receivers) if transport == "shm_file" else ObjectStoreWeightSync(receivers)
 
 
-@pytest.mark.parametrize("transport", ["shm_file", "object_store"])
+@pytest.mark.parametrize("transport", ["shm_file", pytest.param("object_store", marks=pytest.mark.slow)])
 def test_correct_refit_passes_and_is_served(case: Any, transport: str) -> None:
     import ray
 
@@ -94,7 +94,7 @@ def test_correct_refit_passes_and_is_served(case: Any, transport: str) -> None:
     assert back.tensors == before.tensors
 
 
-@pytest.mark.parametrize("transport", ["shm_file", "object_store"])
+@pytest.mark.parametrize("transport", ["shm_file", pytest.param("object_store", marks=pytest.mark.slow)])
 def test_tensor_altered_after_the_checksum_is_refused(case: Any, transport: str) -> None:
     kind, worker, _, state = case
     sync = _make(transport, [worker])
