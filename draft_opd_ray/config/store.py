@@ -6,6 +6,7 @@ exposed as `async` (what users type: `async.max_staleness=4`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -25,8 +26,25 @@ def schema_node() -> DictConfig:
     return root
 
 
+SLUG_MAX = 120  # characters of a sweep job's dir name, well under a file system's 255
+
+
+def job_slug(overrides: str) -> str:
+    """A sweep job's dir name from its override string: one path component (a `target.path=/models/x` override
+    would otherwise nest the job's dir inside directories named after the path), at most `SLUG_MAX` characters
+    (a long sweep keeps a readable head and a hash of the whole)."""
+    import hashlib
+
+    slug = re.sub(r"[^A-Za-z0-9=,.+_\-\[\]]", "_", overrides)
+    if len(slug) > SLUG_MAX:
+        slug = slug[: SLUG_MAX - 9] + "-" + hashlib.sha1(overrides.encode()).hexdigest()[:8]
+    return slug
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=schema_node())
+    if not OmegaConf.has_resolver("job_slug"):
+        OmegaConf.register_new_resolver("job_slug", job_slug)
 
 
 def to_config(cfg: DictConfig) -> Config:
