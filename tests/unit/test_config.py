@@ -184,3 +184,16 @@ def test_empty_eval_prompt_set_is_one_line_exit_2(tmp_path: Path) -> None:
     d.mkdir()
     r = run_main("stages=[eval]", f"draft.path={d}", "data.eval.source=jsonl", f"data.eval.path={empty}")
     assert r.returncode == 2 and r.stderr.startswith("error: data.eval.path: file is empty"), r.stderr
+
+
+def test_a_sweep_jobs_dir_name_is_one_short_path_component() -> None:
+    """`hydra.sweep.subdir` goes through `job_slug`: an override holding a path does not nest the job's dir,
+    and a long sweep's name is cut with a hash that tells two long sweeps apart."""
+    from draft_opd_ray.config.store import SLUG_MAX, job_slug
+
+    assert job_slug("loss.gamma=0.9,seed=1") == "loss.gamma=0.9,seed=1"
+    assert job_slug("draft.aux_layer_ids=[0,1,2]") == "draft.aux_layer_ids=[0,1,2]"
+    slug = job_slug("target.path=/models/Qwen3-8B,seed=0")
+    assert "/" not in slug and slug.startswith("target.path=_models_Qwen3-8B")
+    a, b = job_slug("x=" + "a" * 300 + ",seed=0"), job_slug("x=" + "a" * 300 + ",seed=1")
+    assert len(a) == len(b) == SLUG_MAX and a != b
