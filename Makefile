@@ -7,8 +7,9 @@ export PYTHONUNBUFFERED = 1
 setup:
 	PYTHON=$(PY) bash scripts/setup.sh
 
+# ARGS: Hydra overrides, e.g. make run ARGS="opd.steps=3 eval.extra_sets=[validation]"
 run: setup
-	$(PY) -m draft_opd_ray.main
+	$(PY) -m draft_opd_ray.main $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check draft_opd_ray tests bench

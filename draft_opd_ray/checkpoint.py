@@ -3,6 +3,10 @@
 A checkpoint folder is filled under a temporary name and renamed into place, then `latest` (a text file holding
 `step_<n>`) is replaced by a rename too; a reader therefore sees either the previous complete checkpoint or the
 new one, never a half-written folder. `marker` names the file whose presence makes a folder complete.
+
+Nothing in a run dir is unpickled: `load_state` reads training state with `torch.load(weights_only=True)`
+(tensors, numbers, strings, lists, dicts), and `SafeCheckpointEngine` makes DeepSpeed read its own checkpoint
+files the same way, so a tampered run dir cannot run code.
 """
 
 from __future__ import annotations
@@ -11,8 +15,37 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.errors import CheckpointError
 
 LATEST = "latest"
+
+
+def load_state(path: str | os.PathLike[str]) -> Any:
+    """A `torch.save`d training state, tensors and plain data only (no unpickling of arbitrary objects)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path}: not loaded, it holds something other than tensors and plain data, or is truncated ({first})"
+        ) from None
+
+
+def safe_checkpoint_engine() -> Any:
+    """A DeepSpeed checkpoint engine that loads with `load_state` (set as ``engine.checkpoint_engine``)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return load_state(path)
+
+    return SafeCheckpointEngine()
 
 
 def write_checkpoint(root: Path, name: str, fill: Callable[[Path], None]) -> Path:
@@ -28,6 +61,30 @@ def write_checkpoint(root: Path, name: str, fill: Callable[[Path], None]) -> Pat
     pointer.write_text(name + "\n")
     os.replace(pointer, root / LATEST)
     return final
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """``path`` replaced whole by ``text`` (a temporary file beside it, flushed, renamed): a reader never sees half
+    a report."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove what a write killed half-way left in ``root`` (temporary folders and pointer); run at a stage's
+    start, before anything new is written. Returns the names removed."""
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-") or p.name == f".{LATEST}.tmp")
+    for name in gone:
+        p = root / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
 
 
 def latest_checkpoint(root: Path, marker: str) -> Path | None:

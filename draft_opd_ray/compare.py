@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import yaml
 
+from draft_opd_ray.checkpoint import write_text_atomic
 from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval.stats import bootstrap_mean_ci, mean_ci, prompt_diffs
-from draft_opd_ray.metrics import read_metrics
+from draft_opd_ray.metrics import finite, read_metrics
 
 EXIT_BAD_INPUT = 2
 REPORT = Path("eval") / "report.json"
@@ -337,8 +338,8 @@ def run_compare(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = render_table(result)
-    (out / "compare.md").write_text(table)
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomic(out / "compare.md", table)
+    write_text_atomic(out / "compare.json", json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
     plot_tau_by_arm(result, out)
     plot_tau_vs_compute(runs, result, out)
     print(table, end="", flush=True)

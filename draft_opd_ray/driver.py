@@ -174,15 +174,18 @@ def ray_session(
     return session(cfg, plan, run_dir)
 
 
-def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
-    rd = Path(run_dir)
-    rd.mkdir(parents=True, exist_ok=True)
-    with ray_session(cfg, plan, rd) as reservation:
-        run_stages(cfg, plan, rd, reservation)
-    print(f"[done] run directory: {rd}", flush=True)
+@dataclasses.dataclass
+class Inputs:
+    """What every stage reads, prepared before Ray starts: a bad prompt set is found in seconds."""
+
+    target: str
+    info: Any
+    train: list[Any]
+    held_out: dict[str, Any]
 
 
-def run_stages(cfg: Config, plan: PlacementPlan, rd: Path, reservation: Reservation | None) -> None:
+def prepare_inputs(cfg: Config) -> Inputs:
+    """The target (converted once), and the train and held-out prompt sets tokenized and filtered."""
     target, tokenizer, info = prepare_target(cfg)
     train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
     held_out = (
@@ -190,6 +193,26 @@ def run_stages(cfg: Config, plan: PlacementPlan, rd: Path, reservation: Reservat
         if "eval" in cfg.stages
         else {}
     )
+    return Inputs(target, info, train, held_out)
+
+
+def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
+    from draft_opd_ray import waits
+
+    waits.configure(cfg.cluster.actor_timeout_s)
+    inputs = prepare_inputs(cfg)
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    with ray_session(cfg, plan, rd) as reservation:
+        run_stages(cfg, plan, rd, reservation, inputs)
+    print(f"[done] run directory: {rd}", flush=True)
+
+
+def run_stages(
+    cfg: Config, plan: PlacementPlan, rd: Path, reservation: Reservation | None, inputs: Inputs | None = None
+) -> None:
+    x = inputs or prepare_inputs(cfg)
+    target, info, train, held_out = x.target, x.info, x.train, x.held_out
     metrics = MetricsLogger(
         rd,
         wandb_mode=cfg.wandb.mode,

@@ -24,3 +24,12 @@ class RefitError(DraftOPDError):
 
 class ClusterError(DraftOPDError):
     """The Ray cluster cannot run the plan: unreachable, too small, or its storage is not shared."""
+
+
+class CheckpointError(DraftOPDError):
+    """A run dir's checkpoint is missing, incomplete or holds something other than tensors and plain data."""
+
+
+class RunError(Exception):
+    """The run cannot go on for a reason that is not bad input (diverged, an actor lost for good, a hang): one
+    line naming what failed and what was kept; exit code 1."""

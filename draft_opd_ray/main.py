@@ -9,19 +9,24 @@ driver reaches Ray before the first stage loads a model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
+from pathlib import Path
+from typing import NoReturn, TextIO
 
 import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.config.store import register_configs, to_config
-from draft_opd_ray.config.validate import check_run_dir, validate
-from draft_opd_ray.errors import DraftOPDError
+from draft_opd_ray.config.store import register_configs, resumed_config, to_config
+from draft_opd_ray.config.validate import check_resumable, check_run_dir, validate
+from draft_opd_ray.errors import DraftOPDError, RunError
 from draft_opd_ray.placement import PlacementPlan
 
 EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 1
 
 
 def describe(cfg: Config, plan: PlacementPlan) -> str:
@@ -39,31 +44,162 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def _hydra_main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if _TAP is not None and not _TAP.passing:
+        _TAP.release()
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
     try:
+        if dcfg.get("resume") not in (None, ""):
+            dcfg = resumed_config(dcfg.resume, list(hc.overrides.task))
+            check_resumable(Path(dcfg.resume), run_dir)
         cfg = to_config(dcfg)
         plan = validate(cfg)
     except (DraftOPDError, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        if str(hc.output_subdir).startswith(
+            ".hydra/resume-"
+        ):  # a refused resume leaves the run dir as it was
+            import shutil
+
+            shutil.rmtree(run_dir / str(hc.output_subdir), ignore_errors=True)
+            with contextlib.suppress(OSError):  # what Hydra made in a dir that is no run dir (if still empty)
+                (run_dir / ".hydra").rmdir()
+            log_file = run_dir / "main.log"
+            if log_file.is_file() and log_file.stat().st_size == 0:
+                log_file.unlink()
+            _stop(e, EXIT_BAD_INPUT, None)
+        _stop(e, EXIT_BAD_INPUT, run_dir)
     print(describe(cfg, plan), flush=True)
     if cfg.dry_run:
+        remove_untouched_run_dir(run_dir)
         return
-    from hydra.core.hydra_config import HydraConfig
-
     from draft_opd_ray.driver import run
 
-    run_dir = HydraConfig.get().runtime.output_dir
     try:
         check_run_dir(cfg, run_dir)
-        run(cfg, plan, run_dir=run_dir)
-    except DraftOPDError as e:  # bad input found once the target is resolved or the cluster is reached
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        run(cfg, plan, run_dir=str(run_dir))
+    except Exception as e:  # noqa: BLE001 - user errors and run failures become one line; the rest propagates
+        cause = user_facing(e)
+        if cause is None:
+            raise
+        _stop(cause, EXIT_BAD_INPUT if isinstance(cause, DraftOPDError) else EXIT_RUN_FAILED, run_dir)
+
+
+def user_facing(e: BaseException) -> DraftOPDError | RunError | None:
+    """The user error or run failure behind ``e``: itself, or the cause of a Ray task or actor error (raised
+    inside an actor), or of an exception chained from one; None for a bug (its traceback is what helps)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (DraftOPDError, RunError)):
+            return x
+        stack += [getattr(x, "cause", None), x.__cause__, x.__context__]
+    return None
+
+
+def _stop(e: BaseException, code: int, run_dir: Path | None) -> NoReturn:
+    """One line on stderr, ``run_dir`` gone if Hydra's files are all it holds, exit ``code``."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if run_dir is not None:
+        remove_untouched_run_dir(run_dir)
+    sys.exit(code)
+
+
+HYDRA_FILES = {".hydra", "main.log"}
+
+
+def remove_untouched_run_dir(run_dir: Path) -> bool:
+    """Remove a run dir that holds only what Hydra wrote at start (a dry run, a rejected config), and the empty
+    date folder of Hydra's default `outputs/<date>/<time>` above it. Returns whether it was removed."""
+    import shutil
+
+    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.parent
+    if parent.parent.name == "outputs" and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+    return True
+
+
+class _HeldStderr(io.TextIOBase):
+    """stderr held back until the task starts: what Hydra writes before that is a composition error (a typo in a
+    key, a value of the wrong type), which `main` turns into one line. From the task on, writes pass through."""
+
+    def __init__(self, real: TextIO) -> None:
+        self.real, self.passing = real, False
+        self.held: list[str] = []
+
+    def write(self, s: str) -> int:
+        if self.passing:
+            return self.real.write(s)
+        self.held.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def isatty(self) -> bool:
+        return self.real.isatty()
+
+    def release(self) -> None:
+        self.passing = True
+        self.real.write("".join(self.held))
+        self.held = []
+
+
+_TAP: _HeldStderr | None = None
+
+
+def composition_error(text: str) -> str:
+    """Hydra's multi-line composition error as one line that starts with the key (its `full_key`), or the group
+    and its options for a group option that does not exist."""
+    if "Could not find" in text and "Available options in" in text:
+        missing = next(x.strip() for x in text.splitlines() if "Could not find" in x)
+        missing = missing.split("Could not find", 1)[1].strip()
+        group = text.split("Available options in", 1)[1].split(":", 1)[0].strip().strip("'")
+        options = (
+            text.split("Available options in", 1)[1].split(":", 1)[1].split("Config search path")[0].split()
+        )
+        return f"{group}: Could not find {missing}; the options are {', '.join(options)}"
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    lines = [x for x in lines if not x.startswith("Set the environment variable HYDRA_FULL_ERROR")]
+    key = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("full_key:")), None)
+    detail = [x for x in lines if not x.startswith(("full_key:", "object_type=", "reference_type="))]
+    if not detail:
+        return "the command line could not be composed into a config"
+    head, rest = detail[-1], detail[:-1]
+    msg = f"{head} ({'; '.join(rest)})" if rest else head
+    return f"{key}: {msg}" if key else msg
 
 
 def main() -> None:
+    global _TAP
     register_configs()
-    _hydra_main()
+    _TAP = tap = _HeldStderr(sys.stderr)
+    sys.stderr = tap
+    try:
+        _hydra_main()
+    except SystemExit as e:
+        if not tap.passing and e.code not in (0, None):  # Hydra refused the command line
+            sys.stderr, text = tap.real, "".join(tap.held)
+            tap.held, tap.passing = [], True
+            print(f"error: {composition_error(text)}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
+        raise
+    finally:
+        if not tap.passing:
+            tap.release()  # --help, --cfg and the like: what Hydra held back
+        sys.stderr = tap.real
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ def build_engine(
     import deepspeed
     import torch
 
+    from draft_opd_ray.checkpoint import safe_checkpoint_engine
+
     opt = torch.optim.AdamW(list(params), lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
     engine, _, _, sched = deepspeed.initialize(
@@ -85,4 +87,5 @@ def build_engine(
         lr_scheduler=sched,
         config=deepspeed_config(zero_stage=zero_stage, dtype=dtype, grad_clip=grad_clip),
     )
+    engine.checkpoint_engine = safe_checkpoint_engine()  # load_checkpoint unpickles nothing
     return engine, opt, sched

@@ -49,6 +49,7 @@ class ClusterConfig:
     gpus_per_learner: float = 1.0
     connect_timeout_s: float = 60.0  # reaching the Ray cluster
     reserve_timeout_s: float = 60.0  # placing the plan's actors (a plan that cannot fit fails after this)
+    actor_timeout_s: float = 1800.0  # any one wait on an actor (a round, a step, a refit): longer is a hang
     # A directory every node mounts at the same path (NFS, Lustre, ...): the run dir, the cache and the
     # checkpoints live under it. Required when num_nodes > 1; cache_dir then defaults to <storage_dir>/cache.
     storage_dir: str | None = None
@@ -63,7 +64,7 @@ class ClusterConfig:
             f"{k}.gpus_per_rollout",
             "a tensor-parallel engine takes whole GPUs (set it to 1 or rollout_tensor_parallel to 1)",
         )
-        for name in ("connect_timeout_s", "reserve_timeout_s"):
+        for name in ("connect_timeout_s", "reserve_timeout_s", "actor_timeout_s"):
             _check(getattr(self, name) > 0, f"{k}.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(
             self.storage_dir is None or self.storage_dir.startswith("/"),
@@ -96,6 +97,9 @@ class TargetConfig:
         _check(self.max_model_len >= 16, "target.max_model_len", f"must be >= 16, got {self.max_model_len}")
 
 
+DEFAULT_DRAFT_VOCAB = 8192
+
+
 @dataclass
 class DraftConfig:
     """The draft model. Kind-specific fields are ignored by the other kinds."""
@@ -105,8 +109,9 @@ class DraftConfig:
     num_speculative_tokens: int = 4  # K: tokens proposed per verification step
     # eagle3
     aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-1)
-    # the most frequent response tokens; SmolLM2's greedy answers use ~7k distinct ids (docs/LOG.md)
-    draft_vocab_size: int = 8192
+    # the most frequent response tokens; None = DEFAULT_DRAFT_VOCAB, or the target's whole vocabulary when that
+    # is smaller (SmolLM2's greedy answers use ~7k distinct ids: docs/LOG.md)
+    draft_vocab_size: int | None = None
     ttt_steps: int = 4  # training-time-test unroll depth (= K)
     ttt_decay: float = 0.8
     # train the LM head too, in SFT and in Draft-OPD alike (off: the target's rows of the draft vocabulary)
@@ -126,7 +131,17 @@ class DraftConfig:
         )
         _check(self.block_size >= 2, "draft.block_size", f"must be >= 2, got {self.block_size}")
         _check(self.num_layers >= 1, "draft.num_layers", f"must be >= 1, got {self.num_layers}")
-        _check(self.draft_vocab_size >= 2, "draft.draft_vocab_size", "must be >= 2")
+        _check(
+            self.draft_vocab_size is None or self.draft_vocab_size >= 2,
+            "draft.draft_vocab_size",
+            "must be >= 2",
+        )
+
+    def vocab_for(self, target_vocab: int) -> int:
+        """The draft vocabulary an EAGLE-3 head gets for a target of ``target_vocab`` tokens."""
+        if self.draft_vocab_size is not None:
+            return self.draft_vocab_size
+        return min(DEFAULT_DRAFT_VOCAB, target_vocab)
         _check(self.ttt_steps >= 1, "draft.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
         _check(0 < self.ttt_decay <= 1, "draft.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
         if self.aux_layer_ids is not None:
@@ -202,7 +217,11 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.prompts_per_round >= 1, "rollout.prompts_per_round", "must be >= 1")
-        _check(self.kvcache_gb > 0, "rollout.kvcache_gb", f"must be > 0, got {self.kvcache_gb}")
+        _check(
+            self.kvcache_gb >= 1 and float(self.kvcache_gb).is_integer(),
+            "rollout.kvcache_gb",
+            f"vLLM's CPU KV cache is set in whole GiB (VLLM_CPU_KVCACHE_SPACE): 1, 2, ...; got {self.kvcache_gb}",
+        )
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "rollout.gpu_memory_utilization",
@@ -395,10 +414,13 @@ class OPDConfig:
 
     steps: int = 30
     checkpoint_every: int = 10
+    # steps in a row that apply nothing because of a non-finite loss or gradient before the run stops
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "opd.steps", f"must be >= 1, got {self.steps}")
         _check(self.checkpoint_every >= 1, "opd.checkpoint_every", "must be >= 1")
+        _check(self.max_nonfinite_steps >= 1, "opd.max_nonfinite_steps", "must be >= 1")
 
 
 EXTRA_EVAL_SETS = ("humaneval", "validation")
@@ -447,7 +469,7 @@ class Config:
 
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     dry_run: bool = False
-    resume: bool = False
+    resume: str | None = None  # a run dir to continue from its last complete checkpoint, with its own config
     seed: int = 0
     cache_dir: str | None = None  # converted target, warm starts; None = $DRAFT_OPD_RAY_CACHE or ~/.cache
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

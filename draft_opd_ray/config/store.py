@@ -7,6 +7,7 @@ exposed as `async` (what users type: `async.max_staleness=4`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -41,10 +42,37 @@ def job_slug(overrides: str) -> str:
     return slug
 
 
+def resume_or(resume: Any, default: str) -> str:
+    """Hydra's run dir: the run dir `resume=` names (when it is one), else ``default``. A value that is not a
+    directory leaves the default, and validation names it."""
+    from pathlib import Path
+
+    return str(resume) if resume not in (None, "") and Path(str(resume)).is_dir() else default
+
+
+def under(storage: Any, rel: str) -> str:
+    """``rel`` under the cluster's storage dir, or as it is when there is none (validation then says the
+    multi-node cluster needs one; the run dir is not made under a folder named "None")."""
+    return rel if storage in (None, "") else f"{str(storage).rstrip('/')}/{rel}"
+
+
+def resume_subdir(resume: Any, stamp: str) -> str:
+    """Where Hydra writes its config in the run dir: `.hydra`, or `.hydra/resume-<time>` for a resume (the run's
+    own `.hydra/config.yaml` is what the resume continues with, so it is never overwritten)."""
+    return ".hydra" if resume_or(resume, "") == "" else f".hydra/resume-{stamp}"
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=schema_node())
-    if not OmegaConf.has_resolver("job_slug"):
-        OmegaConf.register_new_resolver("job_slug", job_slug)
+    resolvers: dict[str, Callable[..., Any]] = {
+        "job_slug": job_slug,
+        "resume_or": resume_or,
+        "resume_subdir": resume_subdir,
+        "under": under,
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
 
 
 def to_config(cfg: DictConfig) -> Config:
@@ -63,6 +91,48 @@ def to_config(cfg: DictConfig) -> Config:
             value = cfg[key]
         kwargs[back.get(str(key), str(key))] = value
     return Config(**kwargs)
+
+
+def resumed_config(run_dir: str | Any, overrides: list[str]) -> DictConfig:
+    """The config a resume continues with: the run dir's own `.hydra/config.yaml` (what it was started with), then
+    this command's ``key=value`` overrides (e.g. `opd.steps=40`), then `resume` set to the run dir. A run dir
+    without that file, or a group override (`draft=dflash`, `+cluster=...`: a resume cannot recompose), is a
+    `ConfigError`."""
+    from pathlib import Path
+
+    from draft_opd_ray.errors import ConfigError
+
+    run_dir = Path(str(run_dir))
+    if not run_dir.is_dir():
+        raise ConfigError(
+            f"resume: {run_dir} is not a directory; give the run dir to continue: resume=<run dir>"
+        )
+    saved_path = run_dir / ".hydra" / "config.yaml"
+    if not saved_path.is_file():
+        raise ConfigError(f"resume: {run_dir} is not a run dir of draft_opd_ray (no .hydra/config.yaml)")
+    saved = OmegaConf.load(saved_path)
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"resume: {saved_path} does not hold a config")
+    schema = schema_node()
+    dotlist = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key == "resume" or key.startswith("hydra."):
+            continue
+        if (
+            o.startswith(("+", "~"))
+            or "=" not in o
+            or ("." not in key and OmegaConf.is_dict(schema.get(key)))
+        ):
+            raise ConfigError(
+                f"resume: {o!r} changes a config group; a resume continues with the run's own config and takes "
+                "key=value overrides only (e.g. opd.steps=40)"
+            )
+        dotlist.append(o)
+    merged = OmegaConf.merge(schema, saved, OmegaConf.from_dotlist(dotlist))
+    assert isinstance(merged, DictConfig)
+    merged.resume = str(run_dir)
+    return merged
 
 
 def compose(overrides: list[str] | None = None) -> Config:

@@ -29,27 +29,59 @@ def _check_draft(cfg: Config) -> None:
 
 
 def _check_draft_against_target(cfg: Config) -> None:
-    """Layer ids and sizes that the target's config.json can already refute."""
-    from draft_opd_ray.models.target import read_target_info, resolve_target_path
+    """What the target's config.json can refute (the embedded target's shape is known without converting it):
+    draft sizing, lengths, the teacher's top-k, a draft folder made for another target or kind, and whether the
+    serving engine can serve this draft kind for the target's architecture."""
+    from draft_opd_ray.models.target import EMBEDDED_PREFIX, EMBEDDED_TARGET, target_info_for_checks
+    from draft_opd_ray.rollout.support import check_engine_serves
 
-    if not cfg.target.path.startswith("embedded:") and not Path(cfg.target.path).is_dir():
+    path = cfg.target.path
+    if path.startswith(EMBEDDED_PREFIX) and path != EMBEDDED_TARGET:
+        raise ConfigError(f"target.path: unknown embedded target {path!r}; known: {EMBEDDED_TARGET}")
+    if not path.startswith(EMBEDDED_PREFIX) and not Path(path).is_dir():
         raise ConfigError(
-            f"target.path: directory not found: {cfg.target.path} (no model hub here; give a local folder)"
+            f"target.path: directory not found: {path} (no model hub here; give a local folder)"
         )
-    if cfg.target.path.startswith("embedded:"):
-        from draft_opd_ray.models.target import EMBEDDED_TARGET
-
-        if cfg.target.path != EMBEDDED_TARGET:
-            raise ConfigError(
-                f"target.path: unknown embedded target {cfg.target.path!r}; known: {EMBEDDED_TARGET}"
-            )
-        return  # converted lazily on first use; its shape is known: checked again after conversion
-    info = read_target_info(resolve_target_path(cfg.target.path))
+    info = target_info_for_checks(path, cache_dir(cfg))
     kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
+    top = info.max_position_embeddings
+    if top is not None and cfg.target.max_model_len > top:
+        raise ConfigError(
+            f"target.max_model_len: {cfg.target.max_model_len} is beyond what the target supports "
+            f"(max_position_embeddings {top})"
+        )
+    vd = kinds.draft_vocabulary(cfg.draft, info.vocab_size)
+    if cfg.teacher.topk is not None and cfg.teacher.topk > vd:
+        raise ConfigError(f"teacher.topk: {cfg.teacher.topk} exceeds the draft vocabulary ({vd} tokens)")
+    if cfg.draft.path is not None:
+        kinds.check_draft_matches_target(info, cfg.draft.path, cfg.draft.kind)
+    check_engine_serves(cfg.draft.kind, info.architectures, cache_dir(cfg))
+
+
+def cache_dir(cfg: Config) -> Path:
+    from draft_opd_ray.models.target import default_cache_dir
+
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+
+
+def _check_cache_dir(cfg: Config) -> None:
+    """The cache (converted target, answers, features, warm starts) must be writable: found now, not after the
+    first stage's work."""
+    import tempfile
+
+    root = cache_dir(cfg)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"cache_dir: cannot write to {root} ({e.strerror or e}); set cache_dir=<writable dir>"
+        ) from None
 
 
 def _check_data(cfg: Config) -> None:
-    from draft_opd_ray.data.prompts import check_prompt_source
+    from draft_opd_ray.data.prompts import scan_prompt_file as check_prompt_source
 
     if "sft" in cfg.stages or "opd" in cfg.stages:
         check_prompt_source(cfg.data.train, key="data.train")
@@ -88,6 +120,11 @@ def _check_training(cfg: Config) -> None:
             f"loss.estimator: {cfg.loss.estimator} with teacher.topk={cfg.teacher.topk}: the topk estimator "
             "needs a teacher top-k (teacher.topk=16), full and token need the whole distribution (teacher.topk=null)"
         )
+    if cfg.rollout.max_new_tokens < 2:
+        raise ConfigError(
+            f"rollout.max_new_tokens: the opd stage needs >= 2 (the first token comes from the prefill, the "
+            f"drafted blocks after it), got {cfg.rollout.max_new_tokens}"
+        )
     if cfg.anchor.policy == "random" and cfg.replay.mode == "recorded":
         raise ConfigError(
             "anchor.policy: random anchors fall between recorded blocks, so recorded replay has nothing to "
@@ -119,12 +156,51 @@ def check_run_dir(cfg: Config, run_dir: str | Path) -> None:
         )
 
 
+def _check_wandb(cfg: Config) -> None:
+    """`wandb.mode=online` needs an API key (W&B would otherwise stop to ask for one, or fail, at the first
+    stage); the key is never written to the config or the logs."""
+    import os
+
+    if cfg.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace"):
+        return
+    raise ConfigError(
+        "wandb.mode: online needs a W&B API key (set WANDB_API_KEY or run `wandb login`); "
+        "or keep wandb.mode=offline and `wandb sync` the run dir later"
+    )
+
+
+def check_resumable(resume_dir: Path, run_dir: Path) -> None:
+    """`resume=<run dir>`: Hydra's run dir is that dir (`conf/config.yaml`), and it holds a complete checkpoint
+    of a training stage; resuming a run with nothing to resume is an error, not a fresh start."""
+    from draft_opd_ray.checkpoint import latest_checkpoint
+
+    if resume_dir.resolve() != run_dir.resolve():
+        raise ConfigError(
+            f"resume: the run would write to {run_dir}, not to {resume_dir}; drop the hydra.run.dir override"
+        )
+    found = [
+        s
+        for s, marker in (("sft", "training_state.pt"), ("opd", "training_state.pt"))
+        if latest_checkpoint(resume_dir / "checkpoints" / s, marker) is not None
+    ]
+    if not found:
+        raise ConfigError(
+            f"resume: nothing to resume in {resume_dir}: no complete checkpoint under checkpoints/sft or "
+            "checkpoints/opd (start a new run without resume)"
+        )
+
+
 def validate(cfg: Config) -> PlacementPlan:
     """All cross-node checks; returns the placement plan (itself a check that the actors fit)."""
     _check_cluster(cfg)
+    _check_wandb(cfg)
     _check_draft(cfg)
     _check_training(cfg)
     _check_lengths(cfg)
-    _check_draft_against_target(cfg)
     _check_data(cfg)
+    _check_cache_dir(cfg)
+    _check_draft_against_target(cfg)
     return plan_for(cfg)

@@ -216,6 +216,25 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, str]]:
                 yield n, line
 
 
+def scan_prompt_file(cfg: Any, key: str = "data") -> int:
+    """Read a user's JSONL/Parquet prompt file through (no tokenizer): readable, the configured field present,
+    and at least one usable prompt in the configured split, else a `DataError` naming the key. Returns how many
+    there are. Packaged sets are checked by `check_prompt_source` only."""
+    check_prompt_source(cfg, key)
+    if cfg.source in _PACKAGED:
+        return -1
+    split = getattr(cfg, "split", "all")
+    frac = float(getattr(cfg, "eval_fraction", 0.0))
+    ids = [r[0] for r in iter_raw_prompts(cfg, key=key)]
+    n = sum(split in ("all", split_of(pid, frac)) for pid in ids)
+    if n == 0:
+        raise DataError(
+            f"{key}: no prompt of {cfg.path} falls in split '{split}' ({len(ids)} usable prompts, "
+            f"eval_fraction={frac}); lower {key}.eval_fraction or set {key}.split=all"
+        )
+    return n
+
+
 def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
     if source == "jsonl":
         try:

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from draft_opd_ray.checkpoint import write_text_atomic
 from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval.stats import paired_diff
 from draft_opd_ray.eval.tau import measure_all, tau_entry
+from draft_opd_ray.metrics import finite
 from draft_opd_ray.rollout.engine import BASELINES, Sampling, SpecDecodeEngine, speculative_config
 from draft_opd_ray.rollout.records import acceptance_per_position
 
@@ -117,8 +119,8 @@ def evaluate(
         tau_before=tau_before,
         concurrency=concurrency,
     )
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(render_markdown(report))
+    write_text_atomic(out / "report.json", json.dumps(finite(report), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(out / "report.md", render_markdown(report))
     plot_acceptance(report, out)
     plot_speedup(report, out)
     return report

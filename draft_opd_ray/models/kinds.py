@@ -109,7 +109,7 @@ def check_draft_fits_target(d: Any, num_layers: int, vocab_size: int) -> None:
             raise ConfigError(
                 f"draft.aux_layer_ids: {bad} out of range for a target with {num_layers} layers"
             )
-    if d.kind == "eagle3" and d.draft_vocab_size > vocab_size:
+    if d.kind == "eagle3" and d.draft_vocab_size is not None and d.draft_vocab_size > vocab_size:
         raise ConfigError(
             f"draft.draft_vocab_size: {d.draft_vocab_size} exceeds the target vocabulary {vocab_size}"
         )
@@ -124,16 +124,31 @@ def check_draft_fits_target(d: Any, num_layers: int, vocab_size: int) -> None:
         )
 
 
-def check_draft_matches_target(target: str | Path, draft: str | Path, kind: str) -> None:
+def draft_vocabulary(d: Any, target_vocab: int) -> int:
+    """The vocabulary the draft predicts over: an EAGLE-3 head its own (`draft.draft_vocab_size`, by default the
+    most frequent 8,192 tokens or the whole vocabulary when smaller), the other kinds the target's."""
+    return int(d.vocab_for(target_vocab)) if d.kind == "eagle3" else target_vocab
+
+
+def check_draft_matches_target(target: Any, draft: str | Path, kind: str) -> None:
     """A draft folder made for this target and this kind (config.json only, no weights): the kind it was exported
     as, the target's hidden size and depth it conditions on, and a vocabulary it can share (EAGLE-3 maps its own
-    via d2t)."""
+    via d2t). ``target``: its folder, or its `TargetInfo`."""
+    from draft_opd_ray.models.target import TargetInfo
+
     cfg_path = Path(draft) / "config.json"
     if not cfg_path.is_file():
         raise ModelError(f"draft.path: {draft} has no config.json (not an exported draft folder)")
-    t = json.loads((Path(target) / "config.json").read_text())
-    t = t.get("text_config", t)
-    d = json.loads(cfg_path.read_text())
+    if isinstance(target, TargetInfo):
+        t = {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers}
+        t["vocab_size"] = target.vocab_size
+    else:
+        t = json.loads((Path(target) / "config.json").read_text())
+        t = t.get("text_config", t)
+    try:
+        d = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ModelError(f"draft.path: {cfg_path} is not valid JSON ({e})") from None
     made = d.get("draft_opd", {})
     if made.get("kind") not in (None, kind):
         raise ModelError(f"draft.path: {draft} holds a draft of kind {made['kind']!r}, but draft.kind={kind}")

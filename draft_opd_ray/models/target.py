@@ -359,6 +359,44 @@ def read_target_info(path: str | os.PathLike[str], cache_dir: Path | None = None
         raise ModelError(f"model folder '{raw}': config.json is not valid JSON ({exc})") from exc
     if not isinstance(outer, dict):
         raise ModelError(f"model folder '{raw}': config.json is not a JSON object")
+    return _parse_info(outer, raw, folder)
+
+
+# The embedded target's config.json as its conversion writes it (tests/unit/test_target_model.py compares the
+# two): validation reads the target's shape from here, so nothing is converted before the config is known good.
+EMBEDDED_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def target_info_for_checks(path: str | os.PathLike[str], cache_dir: Path | None = None) -> TargetInfo:
+    """The target's `TargetInfo` without converting or loading anything: the embedded target's converted
+    folder if it exists, else `EMBEDDED_CONFIG`; any other target's config.json."""
+    raw = os.fspath(path)
+    if raw == EMBEDDED_TARGET:
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        folder = cache / _EMBEDDED_DIRNAME
+        if _marker_ok(folder):
+            return read_target_info(folder)
+        return _parse_info(EMBEDDED_CONFIG, raw, folder)
+    return read_target_info(raw, cache_dir)
+
+
+def _parse_info(outer: dict[str, Any], raw: str, folder: Path) -> TargetInfo:
+    """`TargetInfo` from a parsed config.json (``outer``) of the model folder ``folder``."""
     # Multimodal wrappers keep the language model's fields under text_config.
     text = outer.get("text_config")
     cfg = {**outer, **text} if isinstance(text, dict) else outer

@@ -28,6 +28,7 @@ from draft_opd_ray.opd.batch import (
     replay_cost,
 )
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
+from draft_opd_ray.waits import wait_for
 
 
 def loss_spec(c: LossConfig) -> LossSpec:
@@ -47,30 +48,33 @@ class ReplayGroup:
         self.last_shares = [0] * len(self.actors)  # sequences each actor scored in the last call
 
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
-        import ray
 
         shards = balanced_shards([replay_cost(it) for it in items], len(self.actors))
         self.last_shares = [len(s) for s in shards]
         refs = [(s, a.score.remote([items[i] for i in s])) for a, s in zip(self.actors, shards) if s]
         out: list[TeacherItem | None] = [None] * len(items)
-        for s, got in zip([s for s, _ in refs], ray.get([r for _, r in refs])):
+        scored = wait_for([r for _, r in refs], f"replay actors: score {len(items)} sequences")
+        for s, got in zip([s for s, _ in refs], scored):
             for i, t in zip(s, got):
                 out[i] = t
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
     def scored_sequences(self) -> list[int]:
-        import ray
 
-        return [int(n) for n in ray.get([a.scored_sequences.remote() for a in self.actors])]
+        return [
+            int(n)
+            for n in wait_for([a.scored_sequences.remote() for a in self.actors], "replay actors: counts")
+        ]
 
 
 def merge_rank_rows(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from the ranks' rows: counts, FLOPs and the loss (each rank's share of the normalised
     objective) add up; the denominator (summed over the ranks already), lr and update count are rank 0's."""
     if all("skipped" in r for r in rows):
-        return {"skipped": 1.0}
-    shared = ("denominator", "lr", "updates")
+        nonfinite = {k: v for k, v in rows[0].items() if k == "nonfinite_updates"}  # the same on every rank
+        return {"skipped": 1.0, **nonfinite}
+    shared = ("denominator", "lr", "updates", "nonfinite_updates")  # the same on every rank
     out = {k: v for k, v in rows[0].items() if k in shared}
     for r in rows:
         for k, v in r.items():
@@ -99,26 +103,28 @@ class LearnerGroup:
         return out
 
     def step(self, batch: Sequence[TeacherItem], mini_batches: int) -> dict[str, float]:
-        import ray
 
         parts = self.shards(batch, mini_batches)
-        rows = ray.get([r.step_shards.remote(p) for r, p in zip(self.ranks, parts)])
+        rows = wait_for([r.step_shards.remote(p) for r, p in zip(self.ranks, parts)], "learner ranks: step")
         return merge_rank_rows(rows)
 
     def optimizer_states(self) -> list[dict[str, Any]]:
-        import ray
 
-        return list(ray.get([r.optimizer_state.remote() for r in self.ranks]))
+        return list(
+            wait_for([r.optimizer_state.remote() for r in self.ranks], "learner ranks: optimizer state")
+        )
 
     def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
         """Each rank its own state (ZeRO shards differ); a checkpoint of another rank count is refused."""
-        import ray
 
         if len(states) != len(self.ranks):
             raise ValueError(
                 f"the checkpoint holds {len(states)} learner rank state(s), the run has {len(self.ranks)}"
             )
-        ray.get([r.load_optimizer_state.remote(s) for r, s in zip(self.ranks, states)])
+        wait_for(
+            [r.load_optimizer_state.remote(s) for r, s in zip(self.ranks, states)],
+            "learner ranks: load optimizer",
+        )
 
 
 @dataclass
@@ -293,14 +299,17 @@ def start_learner_ranks(
     master = None
     if n > 1:
         where = {k: v for k, v in options(0).items() if k == "scheduling_strategy"}
-        master = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, **where).remote())
+        master = wait_for(
+            ray.remote(rendezvous_address).options(num_cpus=0, **where).remote(),
+            "learner rank 0: rendezvous port",
+        )
     ranks = [
         ray.remote(Learner)
         .options(**options(r))
         .remote(draft_dir, target, **settings, rank=r, world_size=n, master=master)
         for r in range(n)
     ]
-    sizes = ray.get([r.world_size.remote() for r in ranks])  # type: ignore[attr-defined]
+    sizes = wait_for([r.world_size.remote() for r in ranks], f"learner ranks: form a group of {n}")  # type: ignore[attr-defined]
     if set(sizes) != {n}:
         raise RuntimeError(f"learner ranks report world sizes {sizes}, expected {n}")
     return ranks

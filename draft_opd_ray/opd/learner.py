@@ -130,10 +130,11 @@ class Learner:
         is summed over the ranks first, so the ranks' gradients add up to the whole group's. Returns this rank's
         sums (the driver adds the ranks': `LearnerGroup.step`)."""
         rows = [self._update(g) for g in groups]
+        nonfinite = float(sum("nonfinite" in r for r in rows))
+        done = [r for r in rows if "skipped" not in r and "nonfinite" not in r]
+        if not done:  # nothing applied: the weights are still the last published version
+            return {"skipped": 1.0, "nonfinite_updates": nonfinite}
         self.version += 1
-        done = [r for r in rows if "skipped" not in r]
-        if not done:
-            return {"skipped": 1.0}
         out: dict[str, float] = {}
         for r in done:
             for k, v in r.items():
@@ -142,6 +143,7 @@ class Learner:
             out[k] /= len(done)
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         out["updates"] = float(len(done))
+        out["nonfinite_updates"] = nonfinite
         return out
 
     def _student_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,11 @@ class Learner:
                 if k.startswith("n_") or k in ("rej_weight",):
                     sums[k] = sums.get(k, 0.0) + float(v)
         self.engine.backward(total * world()[1])  # DeepSpeed averages gradients over the data-parallel ranks
+        (bad,) = all_reduce_sum([0.0 if self._finite(total) else 1.0])
+        if bad:  # on every rank alike: nothing applied, the lr schedule does not advance
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            self.engine.zero_grad()
+            return {"nonfinite": 1.0}
         self.engine.step()
         return {
             "loss": float(total.detach()),
@@ -229,6 +236,14 @@ class Learner:
             "flops_draft_step": flops,
             **sums,
         }
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """Whether the update's loss and this rank's gradients are all finite (under ZeRO-2/3 the gradients live
+        in DeepSpeed's partitions, not in ``p.grad``: there the loss is what is checked)."""
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return False
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g).all()) for g in grads)
 
     def world_size(self) -> int:
         """The size of the data-parallel group this rank joined."""

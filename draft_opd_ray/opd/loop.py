@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.algo.anchors import select_anchors
-from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
+from draft_opd_ray.checkpoint import clean_leftovers, latest_checkpoint, load_state, write_checkpoint
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.errors import RunError
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.opd.actors import Actors, LearnerGroup, start_actors
@@ -29,7 +30,10 @@ from draft_opd_ray.opd.batch import ReplayItem
 from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.placement import PlacementPlan
 from draft_opd_ray.rollout.engine import Sampling
-from draft_opd_ray.rollout.records import RequestRecord, tau, write_parquet
+from draft_opd_ray.rollout.records import RequestRecord, read_parquet, tau, write_parquet
+from draft_opd_ray.waits import wait_any, wait_for
+
+EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
 
 def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem]:
@@ -102,17 +106,39 @@ def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, learner: LearnerGroup, flops: dict[str, float] | None = None
+    run_dir: Path,
+    step: int,
+    learner: LearnerGroup,
+    state: Any = None,
+    flops: dict[str, float] | None = None,
+    rounds: Any = None,
+    elapsed_s: float = 0.0,
 ) -> Path:
-    """checkpoints/opd/step_<n>/{draft/, training_state.pt}, atomically (`draft_opd_ray.checkpoint`): rank 0's
-    draft, every rank's optimizer state."""
-    import ray
+    """checkpoints/opd/step_<n>/{draft/, training_state.pt, rounds/}, atomically (`draft_opd_ray.checkpoint`):
+    rank 0's draft, every rank's optimizer state, the loop's counters and clock, and the pipeline: the feed's
+    position and the finished rounds not yet taken (``rounds``: a drained `_Rounds`)."""
     import torch
 
+    ready = list(rounds.ready) if rounds is not None else []
+
     def fill(tmp: Path) -> None:
-        ray.get(learner.rank0.save.remote(str(tmp / "draft")))
-        state = {"step": step, "flops": dict(flops or {}), "ranks": learner.optimizer_states()}
-        torch.save(state, tmp / "training_state.pt")
+        wait_for(
+            learner.rank0.save.remote(str(tmp / "draft")), f"learner rank 0: save checkpoint step_{step}"
+        )
+        for j, got in enumerate(ready):
+            write_parquet(got, tmp / "rounds" / f"round_{j:03d}.parquet")
+        saved = {
+            "step": step,
+            "version": state.version if state is not None else step,
+            "dropped": state.dropped if state is not None else 0,
+            "nonfinite_steps": state.nonfinite_steps if state is not None else 0,
+            "rounds_submitted": rounds.submitted if rounds is not None else 0,
+            "rounds_ready": len(ready),
+            "elapsed_s": float(elapsed_s),
+            "flops": dict(flops or {}),
+            "ranks": learner.optimizer_states(),
+        }
+        torch.save(saved, tmp / "training_state.pt")
 
     return write_checkpoint(run_dir / "checkpoints" / "opd", f"step_{step}", fill)
 
@@ -138,42 +164,84 @@ def take_rounds(
 
 class _Rounds:
     """One generation round in flight on every rollout worker; a finished round is replaced at once by the next
-    prompts of the feed, so the workers never wait for the learner."""
+    prompts of the feed, so the workers never wait for the learner.
+
+    ``submitted``: rounds handed out so far (the feed's position: round i starts at prompt ``i * per_round`` of the
+    cycled prompt list). ``ready``: finished rounds not taken yet: a checkpoint `drain`s the workers and keeps
+    their rounds, and a resumed run starts with those, so it sees the same rounds in the same order."""
 
     def __init__(
-        self, workers: Sequence[Any], prompts: Sequence[list[int]], per_round: int, sampling: Sampling
+        self,
+        workers: Sequence[Any],
+        prompts: Sequence[list[int]],
+        per_round: int,
+        sampling: Sampling,
+        submitted: int = 0,
+        ready: Sequence[list[RequestRecord]] = (),
     ):
         self.prompts, self.n, self.sampling = prompts, per_round, sampling
-        self.feed = itertools.cycle(range(0, max(1, len(prompts)), per_round))
-        self.inflight = {self._submit(w): w for w in workers}
+        self.starts = range(0, max(1, len(prompts)), per_round)
+        self.submitted = submitted
+        self.ready = list(ready)
+        self.workers = list(workers)
+        self.inflight: dict[Any, Any] = {}
+        self.refill()
+
+    def refill(self) -> None:
+        """A round in flight on every worker that has none (all of them after `drain`)."""
+        busy = set(map(id, self.inflight.values()))
+        for w in self.workers:
+            if id(w) not in busy:
+                self.inflight[self._submit(w)] = w
 
     def _submit(self, worker: Any) -> Any:
-        i = next(self.feed)
+        i = self.starts[self.submitted % len(self.starts)]
+        self.submitted += 1
         return worker.generate.remote(list(self.prompts[i : i + self.n]), self.sampling)
 
+    def drain(self) -> list[list[RequestRecord]]:
+        """Wait for every round in flight (in the order they were handed out) and keep them for the next `take`;
+        the workers stay idle until `refill`. Returns every round not taken yet."""
+
+        refs = list(self.inflight)
+        self.ready += wait_for(refs, f"rollout workers: finish {len(refs)} round(s) for the checkpoint")
+        self.inflight = {}
+        return list(self.ready)
+
     def take(self) -> list[list[RequestRecord]]:
-        """Wait for one round, then take every other round that has finished too."""
+        """The rounds kept by `drain` if any; else wait for one round, then take every other finished one too."""
         import ray
 
-        ready, _ = ray.wait(list(self.inflight), num_returns=1)
+        if self.ready:
+            out, self.ready = self.ready, []
+            return out
+        ready = wait_any(
+            list(self.inflight), f"rollout workers: generate ({len(self.inflight)} rounds in flight)"
+        )
         rest = [r for r in self.inflight if r != ready[0]]
         more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
         out = []
         for ref in ready + more:
             worker = self.inflight.pop(ref)
-            out.append(ray.get(ref))
+            out.append(wait_for(ref, "rollout worker: return its finished round"))
             self.inflight[self._submit(worker)] = worker  # keep it busy
         return out
 
 
 def _resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict[str, Any]]:
-    """The checkpoint to continue from (`resume=true`) and its training state, or (None, {})."""
-    import torch
-
-    last = latest_checkpoint(run_dir / "checkpoints" / "opd", "training_state.pt") if cfg.resume else None
+    """The checkpoint to continue from (`resume=<run dir>`) and its training state, or (None, {})."""
+    root = run_dir / "checkpoints" / "opd"
+    clean_leftovers(root)
+    last = latest_checkpoint(root, "training_state.pt") if cfg.resume else None
     if last is None:
         return None, {}
-    return last, torch.load(last / "training_state.pt", weights_only=False)
+    return last, load_state(last / "training_state.pt")
+
+
+def _saved_rounds(last: Path | None, saved: dict[str, Any]) -> list[list[RequestRecord]]:
+    """The finished rounds a checkpoint kept, in order."""
+    n = int(saved.get("rounds_ready", 0))
+    return [read_parquet(last / "rounds" / f"round_{j:03d}.parquet") for j in range(n)] if last else []
 
 
 def run_opd(
@@ -201,6 +269,7 @@ def run_opd(
     last = str(resume / "draft") if resume else draft_dir
     total_updates = cfg.opd.steps * cfg.learner.mini_batches
     actors = start_actors(cfg, plan, target, last, total_updates, reservation=reservation)
+    sync: WeightSync | None = None
     try:
         sync = _resume_actors(cfg, actors, saved, start_step)
         sampling = Sampling(
@@ -210,20 +279,41 @@ def run_opd(
             seed=cfg.seed,
             stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
         )
-        rounds = _Rounds(actors.workers, prompts, cfg.rollout.prompts_per_round, sampling)
-        state = _LoopState(version=start_step)
+        rounds = _Rounds(
+            actors.workers,
+            prompts,
+            cfg.rollout.prompts_per_round,
+            sampling,
+            submitted=int(saved.get("rounds_submitted", 0)),
+            ready=_saved_rounds(resume, saved),
+        )
+        state = _LoopState(
+            version=int(saved.get("version", start_step)),
+            dropped=int(saved.get("dropped", 0)),
+            nonfinite_steps=int(saved.get("nonfinite_steps", 0)),
+        )
+        if resume is not None:
+            metrics.resume("opd", start_step)
         bar = tqdm(
             range(start_step, cfg.opd.steps), desc="draft-opd", initial=start_step, total=cfg.opd.steps
         )
         for step in bar:
             row = _one_step(cfg, actors, rounds, sync, state, step, info, flops, run_dir, metrics)
-            if row is not None:
-                bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
+            if row is None:
+                continue  # nothing applied (no anchors, or a non-finite loss): nothing published or saved
+            bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}", tau=f"{row['tau']:.2f}")
             if (step + 1) % cfg.opd.checkpoint_every == 0 or step + 1 == cfg.opd.steps:
-                last = str(save_checkpoint(run_dir, step + 1, actors.learner, flops) / "draft")
+                rounds.drain()  # the rounds in flight belong to the checkpoint: a resume starts with them
+                saved_at = save_checkpoint(
+                    run_dir, step + 1, actors.learner, state, flops, rounds, metrics.elapsed()
+                )
+                last = str(saved_at / "draft")
+                rounds.refill()
         sync.close()
         _shutdown(actors.workers)
     finally:
+        if sync is not None:
+            sync.close(wait=False)  # after a failure too: frees the shared-memory slots
         actors.release()
     plot_tau(run_dir)
     return Path(last)
@@ -233,23 +323,26 @@ def run_opd(
 class _LoopState:
     version: int  # the learner's published weight version
     dropped: int = 0  # rounds dropped as stale so far
+    nonfinite_run: int = 0  # steps in a row whose every update had a non-finite loss or gradient
+    nonfinite_steps: int = 0  # such steps so far
 
 
 def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
     """Restore a resumed run's optimizer states and versions; the weight sync to the receivers."""
-    import ray
 
     redraft = cfg.replay.mode == "redraft"
     if saved:
         actors.learner.load_optimizer_states(saved.get("ranks", [saved]))
         # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
         # round would look start_step versions stale and be dropped)
-        ray.get([w.set_version.remote(start_step) for w in actors.workers])
+        wait_for([w.set_version.remote(start_step) for w in actors.workers], "rollout workers: set version")
         if redraft:
-            ray.get([a.set_draft_version.remote(start_step) for a in actors.replay.actors])
+            wait_for(
+                [a.set_draft_version.remote(start_step) for a in actors.replay.actors], "replay: set version"
+            )
     receivers = [*actors.workers, *actors.replay.actors] if redraft else actors.workers
     sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers)
-    sync.version = start_step
+    sync.version = int(saved.get("version", start_step))
     return sync
 
 
@@ -266,14 +359,22 @@ def _one_step(
     metrics: MetricsLogger,
 ) -> dict[str, Any] | None:
     """Take rounds, write their records, replay the anchors, step the learner ranks, publish, log the row."""
-    import ray
 
     t0 = time.time()
     records: list[RequestRecord] = []
     behind = 0
+    empty = 0
     while not records:
-        records, d, behind = take_rounds(rounds.take(), state.version, cfg.async_.max_staleness)
+        got = rounds.take()
+        records, d, behind = take_rounds(got, state.version, cfg.async_.max_staleness)
         state.dropped += d
+        empty += 0 if records or d else len(got)
+        if empty >= EMPTY_ROUNDS_LIMIT * len(actors.workers):
+            raise RunError(
+                f"opd: {empty} rollout rounds in a row gave no usable record (no speculative step: every "
+                f"request failed or ended before the first verification, rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}); raise rollout.max_new_tokens or check the rollout workers' log"
+            )
     t_roll = time.time() - t0
     write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
     items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
@@ -285,6 +386,18 @@ def _one_step(
     t2 = time.time()
     out = actors.learner.step(teacher, cfg.learner.mini_batches)
     t3 = time.time()
+    if "skipped" in out:
+        _count_nonfinite(cfg, state, out, step, run_dir)
+        metrics.log(
+            "opd",
+            step + 1,
+            tau=tau(records),
+            skipped="non-finite" if out.get("nonfinite_updates") else "empty",
+            nonfinite_steps=state.nonfinite_steps,
+            policy_version=state.version,
+        )
+        return None
+    state.nonfinite_run = 0
     flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
     flops["flops_target"] += sum(
         target_forward_flops(info, 1, t.scored_tokens()) for t in teacher if _target_ran(t)
@@ -293,7 +406,10 @@ def _one_step(
         rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
     )
     state.version += 1
-    sync.publish(state.version, ray.get(actors.learner.rank0.rollout_state.remote()))
+    weights = wait_for(
+        actors.learner.rank0.rollout_state.remote(), f"learner rank 0: weights of step {step + 1}"
+    )
+    sync.publish(state.version, weights)
     shares = {f"replay{i}_seqs": float(n) for i, n in enumerate(actors.replay.last_shares)}
     return metrics.log(
         "opd",
@@ -310,15 +426,31 @@ def _one_step(
         step_s=round(time.time() - t0, 2),
         replay_accept_agree=_agreement(teacher),
         learner_world_size=actors.world_size,
+        nonfinite_steps=state.nonfinite_steps,
         **shares,
         **flops,
     )
 
 
-def _shutdown(workers: Sequence[Any]) -> None:
-    import ray
+def _count_nonfinite(cfg: Config, state: _LoopState, out: dict[str, float], step: int, run_dir: Path) -> None:
+    """Count a step that applied nothing because of a non-finite loss or gradient; `opd.max_nonfinite_steps` of
+    them in a row stop the run (its last checkpoint holds the last good weights)."""
+    if not out.get("nonfinite_updates"):
+        return
+    state.nonfinite_run += 1
+    state.nonfinite_steps += 1
+    if state.nonfinite_run >= cfg.opd.max_nonfinite_steps:
+        last = latest_checkpoint(run_dir / "checkpoints" / "opd", "training_state.pt")
+        raise RunError(
+            f"opd: {state.nonfinite_run} steps in a row (to step {step + 1}) had a non-finite loss or gradient "
+            f"and applied nothing (opd.max_nonfinite_steps={cfg.opd.max_nonfinite_steps}); the last good "
+            f"weights: {last / 'draft' if last else 'the starting draft (no checkpoint yet)'}"
+        )
 
-    ray.get([w.shutdown.remote() for w in workers])
+
+def _shutdown(workers: Sequence[Any]) -> None:
+
+    wait_for([w.shutdown.remote() for w in workers], "rollout workers: shut down")
 
 
 def plot_tau(run_dir: Path) -> None:

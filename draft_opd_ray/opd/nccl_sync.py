@@ -24,6 +24,7 @@ import torch
 
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, RefitChecks
+from draft_opd_ray.waits import wait_for
 
 TRANSPORTS = ("auto", "shm_file", "object_store", "nccl")
 
@@ -118,7 +119,6 @@ class NcclWeightSync:
         others: Sequence[Any] = (),
         verify: bool = True,
     ) -> None:
-        import ray
 
         self.engines, self.sender = list(engines), sender
         self.version = 0
@@ -126,9 +126,11 @@ class NcclWeightSync:
         self.checks = RefitChecks(self.engines, verify)
         offsets = rank_offsets(tensor_parallel)
         world = 1 + sum(tensor_parallel)
-        address, port = ray.get(sender.nccl_endpoint.remote())
+        address, port = wait_for(sender.nccl_endpoint.remote(), "learner rank 0: NCCL endpoint")
         joins = [e.nccl_init.remote(address, port, o, world) for e, o in zip(self.engines, offsets)]
-        ray.get([sender.nccl_open.remote(address, port, world), *joins])  # one rendezvous, all at once
+        wait_for(
+            [sender.nccl_open.remote(address, port, world), *joins], "learner rank 0 and engines: NCCL group"
+        )
 
     def publish(self, version: int, weights: dict[str, Any]) -> None:
         if version <= self.version:
@@ -149,5 +151,6 @@ class NcclWeightSync:
             done += self.others.wait()
         return done
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, wait: bool = True) -> None:
+        if wait:
+            self.wait()

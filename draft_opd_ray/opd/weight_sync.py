@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from draft_opd_ray.opd.refit import Fingerprint, check_ack, fingerprints
+from draft_opd_ray.waits import wait_for
 
 _DTYPES = {
     torch.float64: "F64",
@@ -94,7 +95,9 @@ class WeightSync(Protocol):
 
     def wait(self) -> list[int]: ...
 
-    def close(self) -> None: ...
+    def close(self, wait: bool = True) -> None:
+        """Free the transport; ``wait`` first checks the refits still pending (False: after a failure)."""
+        ...
 
 
 class RefitChecks:
@@ -102,10 +105,10 @@ class RefitChecks:
     version the fingerprints of what was sent and the receivers' pending loads and acks."""
 
     def __init__(self, receivers: Sequence[Any], verify: bool = True) -> None:
-        import ray
-
         self.verify = verify
-        acks = ray.get([r.refit_ack.remote() for r in receivers]) if verify else []
+        acks = []
+        if verify and receivers:
+            acks = wait_for([r.refit_ack.remote() for r in receivers], "weight receivers: serving dtype")
         self.dtypes = sorted({a.dtype for a in acks})
         self._pending: list[tuple[int, dict[str, dict[str, Fingerprint]], list[Any], list[Any]]] = []
 
@@ -128,7 +131,6 @@ class RefitChecks:
     def reap(self, block: bool) -> tuple[list[int], int]:
         """Check the finished versions (all of them with ``block``), oldest first. Returns the versions the loads
         reported and how many published versions were reaped; raises `RefitError` on a bad ack."""
-        import ray
 
         done: list[int] = []
         n = 0
@@ -137,8 +139,8 @@ class RefitChecks:
             if not block and not all(_done(r) for r in loads + acks):
                 break
             self._pending.pop(0)
-            done += ray.get(loads)
-            for ack in ray.get(acks):
+            done += wait_for(loads, f"rollout workers: load draft weights version {version}")
+            for ack in wait_for(acks, f"rollout workers: refit proof of version {version}"):
                 check_ack(ack, version, sent)
             n += 1
         return done, n
@@ -168,8 +170,9 @@ class ObjectStoreWeightSync:
     def wait(self) -> list[int]:
         return self.checks.reap(block=True)[0]
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, wait: bool = True) -> None:
+        if wait:
+            self.wait()
 
 
 class SharedFileWeightSync:
@@ -178,8 +181,9 @@ class SharedFileWeightSync:
     def __init__(self, receivers: Sequence[Any], directory: str | None = None, verify: bool = True) -> None:
         import tempfile
 
-        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.dir = tempfile.mkdtemp(prefix="draft_opd_ray_sync_", dir=base)
+        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        remove_stale_slots(base)
+        self.dir = tempfile.mkdtemp(prefix=f"{SLOT_PREFIX}{os.getpid()}_", dir=base)
         self.receivers = list(receivers)
         self.version = 0
         self.checks = RefitChecks(self.receivers, verify)
@@ -221,11 +225,43 @@ class SharedFileWeightSync:
     def wait(self) -> list[int]:
         return self._reap(block=True)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         import shutil
 
-        self.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if wait:
+                self.wait()
+        finally:  # a failed refit check, or a crash on the way out, still frees the shared memory
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+SLOT_PREFIX = "draft_opd_ray_sync_"  # + the publishing process's pid + "_": whose slots a folder holds
+
+
+def remove_stale_slots(base: str) -> list[str]:
+    """Remove the slot folders in ``base`` whose publishing process is gone (a run killed before its `close`);
+    returns their names. A live process's folders are left alone."""
+    import re
+    import shutil
+
+    gone = []
+    for name in sorted(os.listdir(base)):
+        m = re.fullmatch(rf"{SLOT_PREFIX}(\d+)_.*", name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        gone.append(name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _done(ref: Any) -> bool:

@@ -118,7 +118,7 @@ class SpecDecodeEngine:
         weight-transfer backend ("nccl") to receive draft weights through (`opd/nccl_sync.py`); None: files only."""
         if draft_path is not None and draft_kind in kinds.KINDS:
             kinds.check_draft_matches_target(target, draft_path, draft_kind)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kvcache_gb)))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kvcache_gb)))  # whole GiB (config checks it)
         from vllm import LLM
 
         spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, num_speculative_tokens)

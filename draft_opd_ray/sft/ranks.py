@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from draft_opd_ray.errors import RunError
 from draft_opd_ray.placement import LEARNER
+from draft_opd_ray.waits import timeout_s, wait_for
 
 
 class Reservation(Protocol):
@@ -120,17 +123,26 @@ def run_sft_ranks(
         for r in range(ranks)
     ]
     try:
-        nodes = ray.get([a.node.remote() for a in actors])
+        nodes = wait_for([a.node.remote() for a in actors], "sft ranks: start")
         threads = rank_threads(nodes) if cpu_threads else [None] * ranks
-        master = ray.get(actors[0].address.remote()) if ranks > 1 else None
+        master = wait_for(actors[0].address.remote(), "sft rank 0: rendezvous port") if ranks > 1 else None
         pending = [a.train.remote(master, t, args, kwargs) for a, t in zip(actors, threads)]
         final = pending[0]
+        quiet_since = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-            ray.get(done)  # a failed rank raises here; the others, stuck in a collective, are ended below
-            for row in ray.get(actors[0].rows.remote()):
+            wait_for(done, "sft ranks: train")  # a failed rank raises here; the others are ended below
+            rows = wait_for(actors[0].rows.remote(), "sft rank 0: metrics rows")
+            for row in rows:
                 metrics(row)
-        return Path(ray.get(final))
+            if rows or done:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > timeout_s():
+                raise RunError(
+                    f"sft ranks: no step finished in {timeout_s():.0f} s (cluster.actor_timeout_s); a rank is "
+                    "stuck. The last complete checkpoint is kept: resume=<run dir> continues from it"
+                )
+        return Path(wait_for(final, "sft rank 0: export the draft"))
     finally:
         for a in actors:
             ray.kill(a)

@@ -223,7 +223,7 @@ def _ttt_flops(c: Any, batch: dict[str, torch.Tensor], ttt_steps: int) -> float:
 
 def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: RecipeInputs) -> Recipe:
     info = read_target_info(target)
-    vd = min(draft.draft_vocab_size, info.vocab_size)
+    vd = min(draft.vocab_for(info.vocab_size), info.vocab_size)
     if src.start_from is not None:
         head = load_eagle3(src.start_from, target)
     else:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.config.schema import Config
+from draft_opd_ray.config.schema import DEFAULT_DRAFT_VOCAB, Config
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import release_process_group
 from draft_opd_ray.sft.ranks import Reservation
@@ -40,6 +40,15 @@ def _sft_key(cfg: Config) -> dict[str, Any]:
     return d
 
 
+def _draft_key(cfg: Config) -> dict[str, Any]:
+    """The draft's settings as they were keyed before `draft_vocab_size` could be None (its default then: the
+    default's value), so cached warm starts stay found."""
+    d = dataclasses.asdict(cfg.draft)
+    if d["draft_vocab_size"] is None:
+        d["draft_vocab_size"] = DEFAULT_DRAFT_VOCAB
+    return d
+
+
 def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
     h = hashlib.sha256()
     h.update(
@@ -47,7 +56,7 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
             [
                 target,
                 _sft_key(cfg),
-                dataclasses.asdict(cfg.draft),
+                _draft_key(cfg),
                 dataclasses.asdict(cfg.optim),
                 dataclasses.asdict(cfg.teacher),
                 resolve_dtype(cfg.learner.dtype),
@@ -163,7 +172,7 @@ def _train(
     )
     if reservation is None:
         draft = run_sft(
-            target, traj, run_dir, optim=cfg.optim, resume=cfg.resume, metrics=log_row, **settings
+            target, traj, run_dir, optim=cfg.optim, resume=bool(cfg.resume), metrics=log_row, **settings
         )
         release_process_group()
         return draft
@@ -177,7 +186,7 @@ def _train(
         metrics=log_row,
         cpu_threads=cfg.cluster.gpus_per_node == 0,
         optim=cfg.optim,
-        resume=cfg.resume,
+        resume=bool(cfg.resume),
         setup_s=setup_s,
         **settings,
     )

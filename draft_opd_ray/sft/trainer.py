@@ -21,7 +21,6 @@ the budgets are the global batch's. Rank 0 writes the exports, checkpoints and m
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -34,11 +33,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draft_opd_ray.checkpoint import latest_checkpoint, write_checkpoint
+from draft_opd_ray.checkpoint import latest_checkpoint, load_state, write_checkpoint
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, resolve_dtype
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.flops import target_forward_flops
+from draft_opd_ray.metrics import json_line
 from draft_opd_ray.models.target import read_target_info
 from draft_opd_ray.opd.batch import balanced_shards
 from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
@@ -178,7 +178,7 @@ def _jsonl_writer(path: Path) -> MetricsCallback:
 
     def write(m: dict[str, Any]) -> None:
         with open(path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(json_line(m))
 
     return write
 
@@ -416,7 +416,7 @@ def _start_state(
     last = latest_checkpoint(root, "training_state.pt") if resume else None
     if last is not None:
         engine.load_checkpoint(str(last / "deepspeed"), tag="state")
-        state = TrainState(**torch.load(last / "training_state.pt", weights_only=False))
+        state = TrainState(**load_state(last / "training_state.pt"))
         log.info("resumed from %s (step %d)", last, state.step)
         return state
     state = TrainState()

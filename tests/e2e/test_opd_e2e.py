@@ -1,5 +1,5 @@
 """End to end on real vLLM, Ray and DeepSpeed with a tiny target: the Draft-OPD loop writes metrics, anchor
-Parquet files and atomic checkpoints, and a second run with resume=true continues from the last checkpoint.
+Parquet files and atomic checkpoints, and a second run with resume=<run dir> continues from the last checkpoint.
 Slow (two runs, several vLLM engines): `make test-slow`."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_opd_loop_runs_and_resumes(tiny_target: Path, tmp_path: Path) -> None:
     recs = read_parquet(run_dir / "anchors" / "step_00000.parquet")
     assert recs and all(consistency_error(x) is None for x in recs)
 
-    r = run_main(run_dir, target, "opd.steps=3", "resume=true")
+    r = run_main(run_dir, target, "opd.steps=3", f"resume={run_dir}")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
     assert [m["step"] for m in rows] == [1, 2, 3]  # continued at step 3, did not redo 1-2

@@ -120,3 +120,28 @@ def test_sft_on_rollouts_is_cross_entropy_on_committed_tokens_without_teacher(re
     out = learner.step([t])
     assert out["loss"] == pytest.approx(float(want), rel=1e-5)
     _steps(learner, [t])
+
+
+def test_a_non_finite_update_applies_nothing_and_the_next_good_one_steps(replay_case) -> None:
+    """A teacher with a NaN log-prob makes the loss NaN: the update is skipped (weights, optimizer moments, lr
+    schedule and version untouched) and counted; the next finite batch steps as usual."""
+    import dataclasses
+
+    c = replay_case
+    (good,) = c.replay("eagle3", c.eagle3).score([c.item])
+    assert good.teacher_logprobs is not None
+    poisoned = good.teacher_logprobs.clone()
+    poisoned[0, 0, 0] = float("nan")
+    bad = dataclasses.replace(good, teacher_logprobs=poisoned)
+    learner = _learner(c.eagle3, c.target)
+    before = {k: v.clone() for k, v in learner.rollout_state().items()}
+    out = learner.step([bad])
+    assert out == {"skipped": 1.0, "nonfinite_updates": 1.0}
+    after = learner.rollout_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert learner.version == 0 and learner.engine.optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in learner.engine.module.parameters())
+    out = learner.step([good])
+    assert "skipped" not in out and out["nonfinite_updates"] == 0.0 and learner.version == 1
+    assert all(torch.isfinite(v).all() for v in learner.rollout_state().values())
+    assert any(not torch.equal(before[k], v) for k, v in learner.rollout_state().items())

@@ -62,3 +62,74 @@ def test_latest_checkpoint_needs_a_pointer_and_the_marker(tmp_path: Path) -> Non
     assert latest_checkpoint(root, "state.pt") == root / "step_3"
     (root / "latest").write_text("step_9\n")
     assert latest_checkpoint(root, "state.pt") is None  # pointer to a folder that is gone
+
+
+_KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from draft_opd_ray.checkpoint import write_checkpoint
+
+root = Path(sys.argv[1])
+write_checkpoint(root, "step_1", lambda tmp: (tmp / "state.pt").write_text("one"))
+
+def slow(tmp):
+    (tmp / "half").write_text("x" * 1000)
+    print("filling", flush=True)
+    time.sleep(60)
+
+write_checkpoint(root, "step_2", slow)
+"""
+
+
+def test_a_kill_during_a_write_leaves_the_previous_checkpoint_and_the_next_start_cleans_up(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL while step_2 is being filled: step_1 and `latest` are intact; `clean_leftovers` removes the rest."""
+    import signal
+    import subprocess
+    import sys
+
+    from draft_opd_ray.checkpoint import clean_leftovers
+
+    root = tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "filling"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert latest_checkpoint(root, "state.pt") == root / "step_1"
+    assert (root / "step_1" / "state.pt").read_text() == "one"
+    assert clean_leftovers(root) == [".tmp-step_2"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"]
+
+
+class _Payload:
+    """What a tampered training_state.pt could hold: unpickling it would run ``touch``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_training_state_is_never_unpickled(tmp_path: Path) -> None:
+    """`load_state` reads tensors and plain data; a file holding any other object is refused, its code unrun."""
+    import torch
+
+    from draft_opd_ray.checkpoint import load_state
+    from draft_opd_ray.errors import CheckpointError
+
+    good = tmp_path / "good.pt"
+    torch.save({"step": 3, "ranks": [{"optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}}]}, good)
+    assert load_state(good)["step"] == 3
+    bad, marker = tmp_path / "bad.pt", tmp_path / "pwned"
+    torch.save({"step": 3, "x": _Payload(marker)}, bad)
+    with pytest.raises(CheckpointError, match="not loaded, it holds something other than tensors"):
+        load_state(bad)
+    assert not marker.exists()
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="torn.pt: not loaded"):
+        load_state(torn)

@@ -177,3 +177,29 @@ def test_committed_blocks_by_brute_force() -> None:
         for k in range(1, 5):  # block position k: committed x_{n+k} while its context is the committed stream
             want = seq[n + k] if k <= a + 1 and k <= v and n + k < len(seq) else -1
             assert got[j][k - 1] == want, (j, k)
+
+
+def test_non_finite_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_path) -> None:
+    """`opd.max_nonfinite_steps` skipped steps in a row stop the run with a `RunError` naming the last good
+    weights; a good step in between resets the run of them, not the total."""
+    from draft_opd_ray.checkpoint import write_checkpoint
+    from draft_opd_ray.config.schema import OPDConfig
+    from draft_opd_ray.errors import RunError
+    from draft_opd_ray.opd.loop import _count_nonfinite, _LoopState
+
+    c = dataclasses.replace(Config(), opd=OPDConfig(max_nonfinite_steps=2))
+    state = _LoopState(version=5)
+    nan = {"skipped": 1.0, "nonfinite_updates": 8.0}
+    _count_nonfinite(c, state, {"skipped": 1.0, "nonfinite_updates": 0.0}, 0, tmp_path)  # empty, not NaN
+    assert (state.nonfinite_run, state.nonfinite_steps) == (0, 0)
+    _count_nonfinite(c, state, nan, 1, tmp_path)
+    state.nonfinite_run = 0  # what a good step does
+    _count_nonfinite(c, state, nan, 3, tmp_path)
+    assert (state.nonfinite_run, state.nonfinite_steps) == (1, 2)
+    write_checkpoint(
+        tmp_path / "checkpoints" / "opd", "step_3", lambda t: (t / "training_state.pt").write_text("")
+    )
+    with pytest.raises(
+        RunError, match=r"2 steps in a row \(to step 5\) had a non-finite loss .*step_3/draft"
+    ):
+        _count_nonfinite(c, state, nan, 4, tmp_path)

@@ -56,3 +56,5 @@ def test_rank_rows_add_up_and_share_the_denominator() -> None:
         "n_rev": 5.0,
     }
     assert merge_rank_rows([{"skipped": 1.0}, {"skipped": 1.0}]) == {"skipped": 1.0}
+    nan = {"skipped": 1.0, "nonfinite_updates": 2.0}  # every rank skipped the same two updates
+    assert merge_rank_rows([nan, nan]) == nan

@@ -403,3 +403,16 @@ def test_copy_tokenizer_files(embedded_target: Path, tmp_path: Path) -> None:
     assert {p.name for p in tmp_path.iterdir()} == want and "tokenizer.json" in want
     for name in want:
         assert (tmp_path / name).read_bytes() == (embedded_target / name).read_bytes()
+
+
+def test_the_embedded_config_is_what_the_conversion_writes(embedded_target: Path, tmp_path: Path) -> None:
+    """Validation reads the embedded target's shape from `EMBEDDED_CONFIG` before any conversion: every key it
+    holds equals the converted folder's config.json, and both give the same `TargetInfo` shape."""
+    written = json.loads((embedded_target / "config.json").read_text())
+    for key, value in target_mod.EMBEDDED_CONFIG.items():
+        assert written[key] == value, key
+    cold = target_mod.target_info_for_checks(target_mod.EMBEDDED_TARGET, cache_dir=tmp_path)  # not converted
+    warm = target_mod.target_info_for_checks(target_mod.EMBEDDED_TARGET, cache_dir=embedded_target.parent)
+    for f in ("hidden_size", "num_layers", "vocab_size", "max_position_embeddings", "architectures"):
+        assert getattr(cold, f) == getattr(warm, f), f
+    assert not (tmp_path / "smollm2-135m-instruct").exists()  # the check converted nothing

@@ -49,3 +49,30 @@ def test_round_trip_and_overwrite_in_place(tmp_path: Path) -> None:
 def test_rejects_what_it_cannot_write(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="need a CPU tensor"):
         write_safetensors(str(tmp_path / "x"), {"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_stale_slot_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """A run killed before `close` leaves `draft_opd_ray_sync_<pid>_*` behind: the next transport made on the node
+    removes it; a live process's folder and unrelated folders stay."""
+    import os
+    import subprocess
+    import sys
+
+    from draft_opd_ray.opd.weight_sync import SLOT_PREFIX, SharedFileWeightSync, remove_stale_slots
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f"{SLOT_PREFIX}{int(dead.stdout)}_abc"
+    live = tmp_path / f"{SLOT_PREFIX}{os.getpid()}_def"
+    other = tmp_path / "something_else"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "slot0.safetensors").write_bytes(b"x")
+    assert remove_stale_slots(str(tmp_path)) == [stale.name]
+    assert live.is_dir() and other.is_dir()
+    live.rename(tmp_path / f"{SLOT_PREFIX}{int(dead.stdout)}_def")  # now "dead" too
+    sync = SharedFileWeightSync([], directory=str(tmp_path))  # removes it at start
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, os.path.basename(sync.dir)])
+    sync.close(wait=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]

@@ -1,0 +1,94 @@
+"""Exact resume: a run killed (SIGKILL, the whole process group) at a random moment after its step-2 checkpoint
+and resumed with `resume=<run dir>` logs the same losses, τ and versions as the same run left alone, with no
+duplicate metrics rows. Deterministic settings: one rollout worker (its rounds come in one order), greedy
+rollouts, fp32 on CPU. The checkpoint holds the pipeline (the feed's position and the rounds in flight), so
+the resumed run sees the same rounds. Slow: `make test-slow`."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draft_opd_ray.metrics import read_metrics
+from tests import helpers
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed]
+
+STEPS = 4
+LOSS_RTOL = 1e-5  # fp32 on CPU, the same ops in the same order: equal up to summation noise
+
+
+def _overrides(target: Path, run_dir: Path) -> list[str]:
+    return [
+        "stages=[opd]",
+        f"target.path={target}",
+        "draft.aux_layer_ids=[0,1,2]",
+        "cluster.rollout_engines=1",
+        "rollout.prompts_per_round=4",
+        "rollout.max_new_tokens=24",
+        "data.train.max_prompts=16",
+        f"opd.steps={STEPS}",
+        "opd.checkpoint_every=2",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def _opd_rows(run_dir: Path) -> list[dict]:
+    return [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
+
+
+def _kill_after_checkpoint(target: Path, run_dir: Path, seed: int) -> float:
+    """Start the run, SIGKILL its process group at a random moment after `latest` names step_2 (before step_4);
+    returns the seconds after the checkpoint at which it was killed."""
+    env = {**os.environ, "PYTHONPATH": str(helpers.REPO)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draft_opd_ray.main", *_overrides(target, run_dir)],
+        cwd=helpers.REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest = run_dir / "checkpoints" / "opd" / "latest"
+    deadline = time.monotonic() + 1200
+    while not (latest.is_file() and latest.read_text().strip() == "step_2"):
+        assert p.poll() is None, "the run ended before its step-2 checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    wait = random.Random(seed).uniform(0.0, 3.0)
+    time.sleep(wait)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert latest.read_text().strip() == "step_2", "killed too late: step_4 was already saved"
+    return wait
+
+
+def test_a_killed_run_resumes_exactly(tiny_target: Path, tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    r = helpers.run_main(*_overrides(tiny_target, whole), timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected = _opd_rows(whole)
+    assert [m["step"] for m in expected] == list(range(1, STEPS + 1))
+
+    cut = tmp_path / "cut"
+    _kill_after_checkpoint(tiny_target, cut, seed=0)
+    r = helpers.run_main(*_overrides(tiny_target, cut), f"resume={cut}", timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = _opd_rows(cut)
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # no duplicate rows, none missing
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
+        for k in ("tau", "policy_version", "dropped_stale", "anchors"):
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+    times = [m["time"] for m in got]
+    assert times == sorted(times)  # the clock continued, it did not restart at 0
+    assert (cut / "checkpoints" / "opd" / "latest").read_text().strip() == f"step_{STEPS}"
+    assert not list((cut / "checkpoints" / "opd").glob(".tmp-*"))
