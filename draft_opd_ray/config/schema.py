@@ -50,6 +50,7 @@ class ClusterConfig:
     connect_timeout_s: float = 60.0  # reaching the Ray cluster
     reserve_timeout_s: float = 60.0  # placing the plan's actors (a plan that cannot fit fails after this)
     actor_timeout_s: float = 1800.0  # any one wait on an actor (a round, a step, a refit): longer is a hang
+    max_restarts: int = 3  # per rollout worker / replay actor killed mid-run (its lost work is redone)
     # A directory every node mounts at the same path (NFS, Lustre, ...): the run dir, the cache and the
     # checkpoints live under it. Required when num_nodes > 1; cache_dir then defaults to <storage_dir>/cache.
     storage_dir: str | None = None
@@ -72,6 +73,7 @@ class ClusterConfig:
             f"must be an absolute path (every node resolves it alike), got {self.storage_dir!r}",
         )
         _check(self.num_nodes >= 1, f"{k}.num_nodes", f"must be >= 1, got {self.num_nodes}")
+        _check(self.max_restarts >= 0, f"{k}.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _check(self.gpus_per_node >= 0, f"{k}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         _check(self.cpus_per_node > 0, f"{k}.cpus_per_node", f"must be > 0, got {self.cpus_per_node}")
         for name in ("rollout_engines", "replay_actors", "learner_ranks", "rollout_tensor_parallel"):

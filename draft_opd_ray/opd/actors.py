@@ -20,6 +20,7 @@ from typing import Any
 from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.config.schema import Config, LossConfig
 from draft_opd_ray.device import resolve_dtype
+from draft_opd_ray.errors import RunError
 from draft_opd_ray.opd.batch import (
     ReplayItem,
     TeacherItem,
@@ -41,21 +42,45 @@ Options = Callable[[str, int], dict[str, Any]]  # (role, rank) -> Ray actor opti
 
 
 class ReplayGroup:
-    """The replay actors as one: `score` splits the sequences over them and returns the items in order."""
+    """The replay actors as one: `score` splits the sequences over them and returns the items in order. An actor
+    that dies is restarted by Ray (``max_restarts`` each); ``on_restart(actor)`` restores its draft weights (a
+    redrafting replay needs them) and its share is scored again: nothing is lost or scored twice."""
 
-    def __init__(self, actors: Sequence[Any]) -> None:
+    def __init__(
+        self, actors: Sequence[Any], max_restarts: int = 0, on_restart: Callable[[Any], None] | None = None
+    ) -> None:
         self.actors = list(actors)
         self.last_shares = [0] * len(self.actors)  # sequences each actor scored in the last call
+        self.max_restarts, self.on_restart = max_restarts, on_restart
+        self.restarts = 0
+        self._deaths = [0] * len(self.actors)
 
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         shards = balanced_shards([replay_cost(it) for it in items], len(self.actors))
         self.last_shares = [len(s) for s in shards]
-        refs = [(s, a.score.remote([items[i] for i in s])) for a, s in zip(self.actors, shards) if s]
+        todo = {j: self.actors[j].score.remote([items[i] for i in s]) for j, s in enumerate(shards) if s}
         out: list[TeacherItem | None] = [None] * len(items)
-        scored = wait_for([r for _, r in refs], f"replay actors: score {len(items)} sequences")
-        for s, got in zip([s for s, _ in refs], scored):
-            for i, t in zip(s, got):
+        while todo:
+            j = next(iter(todo))
+            ref = todo.pop(j)
+            try:
+                got = wait_for(ref, f"replay actor {j}: score {len(shards[j])} sequences")
+            except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+                self._deaths[j] += 1
+                if self._deaths[j] > self.max_restarts:
+                    raise RunError(
+                        f"replay actor {j} died {self._deaths[j]} time(s) (cluster.max_restarts="
+                        f"{self.max_restarts}): {str(e).strip().splitlines()[0]}; the last complete checkpoint "
+                        "is kept: resume=<run dir> continues from it"
+                    ) from None
+                self.restarts += 1
+                if self.on_restart is not None:
+                    self.on_restart(self.actors[j])
+                todo[j] = self.actors[j].score.remote([items[i] for i in shards[j]])
+                continue
+            for i, t in zip(shards[j], got):
                 out[i] = t
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
@@ -105,7 +130,17 @@ class LearnerGroup:
     def step(self, batch: Sequence[TeacherItem], mini_batches: int) -> dict[str, float]:
 
         parts = self.shards(batch, mini_batches)
-        rows = wait_for([r.step_shards.remote(p) for r, p in zip(self.ranks, parts)], "learner ranks: step")
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        try:
+            rows = wait_for(
+                [r.step_shards.remote(p) for r, p in zip(self.ranks, parts)], "learner ranks: step"
+            )
+        except (RayActorError, ActorDiedError) as e:  # a data-parallel group does not re-form mid-run
+            raise RunError(
+                f"learner: a rank died during a step ({str(e).strip().splitlines()[0]}); the last complete "
+                "checkpoint is kept: resume=<run dir> continues from it exactly"
+            ) from None
         return merge_rank_rows(rows)
 
     def optimizer_states(self) -> list[dict[str, Any]]:
@@ -187,7 +222,8 @@ def start_actors(
     cpu = cfg.cluster.gpus_per_node == 0
     workers = _rollout_workers(cfg, plan, target, draft_dir, opts, cpu)
     replay = ReplayGroup(
-        [_replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu) for s in plan.of(REPLAY)]
+        [_replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu) for s in plan.of(REPLAY)],
+        max_restarts=cfg.cluster.max_restarts,
     )
     ranks, world = _learner_ranks(cfg, plan, target, draft_dir, total_updates, opts, cpu)
     return Actors(workers, replay, LearnerGroup(ranks), world, release)
@@ -206,7 +242,7 @@ def _rollout_workers(
     nccl = weight_sync_kind(cfg.rollout.weight_sync, c.num_nodes, c.gpus_per_node) == "nccl"
     return [
         ray.remote(RolloutWorker)
-        .options(**opts(ROLLOUT, s.index))
+        .options(**opts(ROLLOUT, s.index), max_restarts=c.max_restarts)  # a killed engine comes back
         .remote(
             s.index,
             target,
@@ -235,7 +271,7 @@ def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, A
     feature_ids, draft_ids = replay_needs(cfg.draft.kind, draft_dir, target)
     return (
         ray.remote(ReplayActor)
-        .options(**options)
+        .options(**options, max_restarts=cfg.cluster.max_restarts)
         .remote(
             target,
             aux_layer_ids=feature_ids,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +168,11 @@ class _Rounds:
 
     ``submitted``: rounds handed out so far (the feed's position: round i starts at prompt ``i * per_round`` of the
     cycled prompt list). ``ready``: finished rounds not taken yet: a checkpoint `drain`s the workers and keeps
-    their rounds, and a resumed run starts with those, so it sees the same rounds in the same order."""
+    their rounds, and a resumed run starts with those, so it sees the same rounds in the same order.
+
+    A worker that dies is restarted by Ray (`cluster.max_restarts`); ``on_restart(worker)`` gives it the current
+    weights, and its lost round is generated again from the same prompts: no prompt's records are lost or taken
+    twice. ``restarts`` counts them."""
 
     def __init__(
         self,
@@ -178,53 +182,85 @@ class _Rounds:
         sampling: Sampling,
         submitted: int = 0,
         ready: Sequence[list[RequestRecord]] = (),
+        on_restart: Callable[[Any], None] | None = None,
+        max_restarts: int = 0,
     ):
         self.prompts, self.n, self.sampling = prompts, per_round, sampling
         self.starts = range(0, max(1, len(prompts)), per_round)
         self.submitted = submitted
         self.ready = list(ready)
         self.workers = list(workers)
-        self.inflight: dict[Any, Any] = {}
+        self.on_restart, self.max_restarts = on_restart, max_restarts
+        self.restarts = 0
+        self._deaths = [0] * len(self.workers)
+        self.inflight: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, first prompt of its round)
         self.refill()
 
     def refill(self) -> None:
         """A round in flight on every worker that has none (all of them after `drain`)."""
-        busy = set(map(id, self.inflight.values()))
-        for w in self.workers:
-            if id(w) not in busy:
-                self.inflight[self._submit(w)] = w
+        busy = {w for w, _ in self.inflight.values()}
+        for w in range(len(self.workers)):
+            if w not in busy:
+                self._submit(w)
 
-    def _submit(self, worker: Any) -> Any:
-        i = self.starts[self.submitted % len(self.starts)]
-        self.submitted += 1
-        return worker.generate.remote(list(self.prompts[i : i + self.n]), self.sampling)
+    def _submit(self, w: int, start: int | None = None) -> None:
+        if start is None:
+            start = self.starts[self.submitted % len(self.starts)]
+            self.submitted += 1
+        ref = self.workers[w].generate.remote(list(self.prompts[start : start + self.n]), self.sampling)
+        self.inflight[ref] = (w, start)
+
+    def _collect(self, ref: Any, what: str) -> list[RequestRecord] | None:
+        """The round behind ``ref``, or None when its worker died (then restarted, given the current weights and
+        the same prompts again)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        w, start = self.inflight.pop(ref)
+        try:
+            return wait_for(ref, what)  # type: ignore[no-any-return]
+        except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+            self._deaths[w] += 1
+            if self._deaths[w] > self.max_restarts or self.on_restart is None:
+                raise RunError(
+                    f"rollout worker {w} died {self._deaths[w]} time(s) (cluster.max_restarts="
+                    f"{self.max_restarts}): {str(e).strip().splitlines()[0]}; the last complete checkpoint is "
+                    "kept: resume=<run dir> continues from it"
+                ) from None
+            self.restarts += 1
+            self.on_restart(self.workers[w])
+            self._submit(w, start)
+            return None
 
     def drain(self) -> list[list[RequestRecord]]:
         """Wait for every round in flight (in the order they were handed out) and keep them for the next `take`;
         the workers stay idle until `refill`. Returns every round not taken yet."""
-
-        refs = list(self.inflight)
-        self.ready += wait_for(refs, f"rollout workers: finish {len(refs)} round(s) for the checkpoint")
-        self.inflight = {}
+        while self.inflight:
+            ref = next(iter(self.inflight))
+            got = self._collect(ref, "rollout worker: finish its round for the checkpoint")
+            if got is not None:
+                self.ready.append(got)
         return list(self.ready)
 
     def take(self) -> list[list[RequestRecord]]:
         """The rounds kept by `drain` if any; else wait for one round, then take every other finished one too."""
         import ray
 
+        out: list[list[RequestRecord]] = []
         if self.ready:
             out, self.ready = self.ready, []
             return out
-        ready = wait_any(
-            list(self.inflight), f"rollout workers: generate ({len(self.inflight)} rounds in flight)"
-        )
-        rest = [r for r in self.inflight if r != ready[0]]
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        out = []
-        for ref in ready + more:
-            worker = self.inflight.pop(ref)
-            out.append(wait_for(ref, "rollout worker: return its finished round"))
-            self.inflight[self._submit(worker)] = worker  # keep it busy
+        while not out:
+            ready = wait_any(
+                list(self.inflight), f"rollout workers: generate ({len(self.inflight)} rounds in flight)"
+            )
+            rest = [r for r in self.inflight if r != ready[0]]
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            for ref in ready + more:
+                w = self.inflight[ref][0]
+                got = self._collect(ref, "rollout worker: return its finished round")
+                if got is not None:
+                    out.append(got)
+                    self._submit(w)  # keep it busy
         return out
 
 
@@ -279,6 +315,11 @@ def run_opd(
             seed=cfg.seed,
             stop_token_ids=(eos_token_id,) if eos_token_id is not None else (),
         )
+        state = _LoopState(
+            version=int(saved.get("version", start_step)),
+            dropped=int(saved.get("dropped", 0)),
+            nonfinite_steps=int(saved.get("nonfinite_steps", 0)),
+        )
         rounds = _Rounds(
             actors.workers,
             prompts,
@@ -286,12 +327,11 @@ def run_opd(
             sampling,
             submitted=int(saved.get("rounds_submitted", 0)),
             ready=_saved_rounds(resume, saved),
+            on_restart=lambda w: _restore_receiver(actors, w, state.version, "rollout worker"),
+            max_restarts=cfg.cluster.max_restarts,
         )
-        state = _LoopState(
-            version=int(saved.get("version", start_step)),
-            dropped=int(saved.get("dropped", 0)),
-            nonfinite_steps=int(saved.get("nonfinite_steps", 0)),
-        )
+        if cfg.replay.mode == "redraft":  # a restarted replay actor redrafts with the current weights
+            actors.replay.on_restart = lambda a: _restore_receiver(actors, a, state.version, "replay actor")
         if resume is not None:
             metrics.resume("opd", start_step)
         bar = tqdm(
@@ -325,6 +365,16 @@ class _LoopState:
     dropped: int = 0  # rounds dropped as stale so far
     nonfinite_run: int = 0  # steps in a row whose every update had a non-finite loss or gradient
     nonfinite_steps: int = 0  # such steps so far
+
+
+def _restore_receiver(actors: Actors, receiver: Any, version: int, role: str) -> None:
+    """A restarted rollout worker (or redrafting replay actor) gets the weights the learner published last."""
+    weights = wait_for(
+        actors.learner.rank0.rollout_state.remote(), f"learner rank 0: weights for a restarted {role}"
+    )
+    wait_for(
+        receiver.load_draft_weights.remote(weights, version), f"restarted {role}: start and load weights"
+    )
 
 
 def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
@@ -426,6 +476,9 @@ def _one_step(
         step_s=round(time.time() - t0, 2),
         replay_accept_agree=_agreement(teacher),
         learner_world_size=actors.world_size,
+        records=len(records),
+        rollout_restarts=rounds.restarts,
+        replay_restarts=actors.replay.restarts,
         nonfinite_steps=state.nonfinite_steps,
         **shares,
         **flops,

@@ -100,6 +100,12 @@ class WeightSync(Protocol):
         ...
 
 
+def _actor_died() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
 class RefitChecks:
     """The refit proof's bookkeeping, shared by the transports: the receivers' serving dtypes, and per published
     version the fingerprints of what was sent and the receivers' pending loads and acks."""
@@ -139,9 +145,17 @@ class RefitChecks:
             if not block and not all(_done(r) for r in loads + acks):
                 break
             self._pending.pop(0)
-            done += wait_for(loads, f"rollout workers: load draft weights version {version}")
-            for ack in wait_for(acks, f"rollout workers: refit proof of version {version}"):
-                check_ack(ack, version, sent)
+            for i, load in enumerate(loads):
+                try:
+                    done.append(wait_for(load, f"weight receiver {i}: load draft weights version {version}"))
+                    if acks:
+                        check_ack(
+                            wait_for(acks[i], f"weight receiver {i}: refit proof of version {version}"),
+                            version,
+                            sent,
+                        )
+                except _actor_died():
+                    continue  # killed: Ray restarts it and the loop gives it the current weights (opd/loop.py)
             n += 1
         return done, n
 
