@@ -4,6 +4,8 @@ a run that hangs for ever on a stuck collective, a wedged engine or a lost node.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from draft_opd_ray.errors import RunError
@@ -36,6 +38,24 @@ def wait_for(refs: Any, what: str, timeout: float | None = None) -> Any:
             f"{what}: no answer in {limit:.0f} s (cluster.actor_timeout_s); the actor is stuck or its node is "
             "gone. The last complete checkpoint is kept: resume=<run dir> continues from it"
         ) from None
+
+
+def when_back(call: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
+    """``wait_for(call())`` on an actor Ray is restarting: while it reports itself unavailable (restarting), wait
+    and call again, within the timeout."""
+    from ray.exceptions import ActorUnavailableError
+
+    limit = _timeout_s if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return wait_for(call(), what, max(1.0, deadline - time.monotonic()))
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"{what}: the actor did not come back in {limit:.0f} s (cluster.actor_timeout_s)"
+                ) from None
+            time.sleep(1.0)
 
 
 def wait_any(refs: list[Any], what: str, timeout: float | None = None) -> list[Any]:

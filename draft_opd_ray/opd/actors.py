@@ -29,7 +29,7 @@ from draft_opd_ray.opd.batch import (
     replay_cost,
 )
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
-from draft_opd_ray.waits import wait_for
+from draft_opd_ray.waits import wait_for, when_back
 
 
 def loss_spec(c: LossConfig) -> LossSpec:
@@ -78,6 +78,8 @@ class ReplayGroup:
                 self.restarts += 1
                 if self.on_restart is not None:
                     self.on_restart(self.actors[j])
+                else:  # recorded replay holds no weights: only wait until Ray has it back
+                    when_back(self.actors[j].scored_sequences.remote, f"restarted replay actor {j}")
                 todo[j] = self.actors[j].score.remote([items[i] for i in shards[j]])
                 continue
             for i, t in zip(shards[j], got):

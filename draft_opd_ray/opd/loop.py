@@ -31,7 +31,7 @@ from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeigh
 from draft_opd_ray.placement import PlacementPlan
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, read_parquet, tau, write_parquet
-from draft_opd_ray.waits import wait_any, wait_for
+from draft_opd_ray.waits import wait_any, wait_for, when_back
 
 EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
@@ -368,13 +368,12 @@ class _LoopState:
 
 
 def _restore_receiver(actors: Actors, receiver: Any, version: int, role: str) -> None:
-    """A restarted rollout worker (or redrafting replay actor) gets the weights the learner published last."""
+    """A restarted rollout worker (or redrafting replay actor) gets the weights the learner published last, once
+    Ray has it back."""
     weights = wait_for(
         actors.learner.rank0.rollout_state.remote(), f"learner rank 0: weights for a restarted {role}"
     )
-    wait_for(
-        receiver.load_draft_weights.remote(weights, version), f"restarted {role}: start and load weights"
-    )
+    when_back(lambda: receiver.load_draft_weights.remote(weights, version), f"restarted {role}: load weights")
 
 
 def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
