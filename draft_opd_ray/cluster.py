@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import socket
 import time
@@ -116,6 +117,7 @@ def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
             num_cpus=int(cfg.cluster.cpus_per_node),
             include_dashboard=False,
             namespace=ns,
+            logging_level=logging.ERROR,  # its start-up notices are noise on stderr; the actors' logs still come
         )
         return True
     wait_reachable(address, cfg.cluster.connect_timeout_s)

@@ -176,7 +176,8 @@ def ray_session(
 
 @dataclasses.dataclass
 class Inputs:
-    """What every stage reads, prepared before Ray starts: a bad prompt set is found in seconds."""
+    """What every stage reads: the target and the prompt sets, tokenized and filtered (a set that filters to
+    nothing is found here, seconds after the cluster is reached and before any stage starts)."""
 
     target: str
     info: Any
@@ -200,11 +201,10 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     from draft_opd_ray import waits
 
     waits.configure(cfg.cluster.actor_timeout_s)
-    inputs = prepare_inputs(cfg)
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
-    with ray_session(cfg, plan, rd) as reservation:
-        run_stages(cfg, plan, rd, reservation, inputs)
+    with ray_session(cfg, plan, rd) as reservation:  # an unreachable or too small cluster fails first
+        run_stages(cfg, plan, rd, reservation, prepare_inputs(cfg))
     print(f"[done] run directory: {rd}", flush=True)
 
 

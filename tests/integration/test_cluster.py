@@ -320,8 +320,10 @@ def test_two_node_run_places_every_slot_where_the_plan_says(
         pgs = list_placement_groups(address=local_cluster.address, detail=True, limit=1000)
     finally:
         ray.shutdown()
-    ns = {a.ray_namespace for a in actors if a.class_name == "Learner"}
-    ours = [a for a in actors if a.ray_namespace in ns]
+    from draft_opd_ray.cluster import namespace_for
+
+    ours = [a for a in actors if a.ray_namespace == namespace_for(run_dir)]  # this run's, not earlier tests'
+    assert ours
     for cls, role in (("RolloutWorker", "rollout"), ("ReplayActor", "replay"), ("Learner", "learner")):
         ran = sorted(a.node_id for a in ours if a.class_name == cls)
         want = sorted(nodes[s.node] for s in plan.of(role))
