@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draft_opd_ray.checkpoint import latest_checkpoint, load_state, write_checkpoint
+from draft_opd_ray.checkpoint import clean_leftovers, latest_checkpoint, load_state, write_checkpoint
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, resolve_dtype
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
@@ -349,7 +349,9 @@ def run_sft(
     t0 = time.monotonic() - setup_s
     target, run_dir = Path(target), Path(run_dir)
     root = run_dir / "checkpoints" / "sft"
-    if rank != 0:
+    if rank == 0:
+        clean_leftovers(root)  # what a write killed half-way left
+    else:
         metrics, progress = (lambda m: None), False
     emit = metrics or _jsonl_writer(run_dir / "metrics.jsonl")
     info = read_target_info(target)

@@ -260,3 +260,25 @@ def test_draft_sizing_follows_the_target(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_no_secret_reaches_the_config_or_the_output(tmp_path: Path) -> None:
+    """The W&B key is read from the environment by W&B alone: no config node interpolates it (so Hydra's saved
+    `.hydra/config.yaml` cannot hold it) and nothing the run prints shows it."""
+    conf = helpers.REPO / "draft_opd_ray" / "conf"
+    assert not [p for p in conf.rglob("*.yaml") if "WANDB" in p.read_text() or "API_KEY" in p.read_text()]
+    secret = "wk-test-0123456789abcdef"
+    r = helpers.run_main(
+        "--cfg",
+        "job",
+        "wandb.mode=online",
+        "dry_run=true",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        WANDB_API_KEY=secret,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "wandb:" in r.stdout and secret not in r.stdout + r.stderr
+    r = helpers.run_main(
+        "wandb.mode=online", "dry_run=true", f"hydra.run.dir={tmp_path / 'r'}", WANDB_API_KEY=secret
+    )
+    assert r.returncode == 0 and secret not in r.stdout + r.stderr, r.stderr
