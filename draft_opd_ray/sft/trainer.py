@@ -349,9 +349,7 @@ def run_sft(
     t0 = time.monotonic() - setup_s
     target, run_dir = Path(target), Path(run_dir)
     root = run_dir / "checkpoints" / "sft"
-    if rank == 0:
-        clean_leftovers(root)  # what a write killed half-way left
-    else:
+    if rank != 0:
         metrics, progress = (lambda m: None), False
     emit = metrics or _jsonl_writer(run_dir / "metrics.jsonl")
     info = read_target_info(target)
@@ -415,6 +413,8 @@ def _start_state(
 ) -> TrainState:
     """The training state to start from: the last checkpoint's (``resume``), or a fresh one charged with the
     feature pass (its time, and the target FLOPs of the cached features when ``charge_cache``)."""
+    if world()[0] == 0:
+        clean_leftovers(root)  # what a write killed half-way left
     last = latest_checkpoint(root, "training_state.pt") if resume else None
     if last is not None:
         engine.load_checkpoint(str(last / "deepspeed"), tag="state")
