@@ -259,6 +259,24 @@ def edit_config(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def short_opd_run(target: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """Overrides of a short opd-only run on a tiny target (4 prompts a round, 24 new tokens, a checkpoint every 2
+    steps) in ``run_dir``; ``extra`` overrides follow."""
+    return [
+        "stages=[opd]",
+        f"target.path={target}",
+        "draft.aux_layer_ids=[0,1,2]",
+        "rollout.prompts_per_round=4",
+        "rollout.max_new_tokens=24",
+        "data.train.max_prompts=16",
+        f"opd.steps={steps}",
+        "opd.checkpoint_every=2",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+
+
 def run_main(*overrides: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m draft_opd_ray.main <overrides>`` from the repository root; ``env`` adds variables."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}

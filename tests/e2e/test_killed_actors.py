@@ -27,18 +27,7 @@ STEPS = 4
 
 
 def _overrides(target: Path, run_dir: Path) -> list[str]:
-    return [
-        "stages=[opd]",
-        f"target.path={target}",
-        "draft.aux_layer_ids=[0,1,2]",
-        "rollout.prompts_per_round=4",
-        "rollout.max_new_tokens=24",
-        "data.train.max_prompts=16",
-        f"opd.steps={STEPS}",
-        "opd.checkpoint_every=2",
-        "wandb.mode=disabled",
-        f"hydra.run.dir={run_dir}",
-    ]
+    return helpers.short_opd_run(target, run_dir, STEPS)
 
 
 def _pids(title: str) -> list[int]:

@@ -26,19 +26,7 @@ LOSS_RTOL = 1e-5  # fp32 on CPU, the same ops in the same order: equal up to sum
 
 
 def _overrides(target: Path, run_dir: Path) -> list[str]:
-    return [
-        "stages=[opd]",
-        f"target.path={target}",
-        "draft.aux_layer_ids=[0,1,2]",
-        "cluster.rollout_engines=1",
-        "rollout.prompts_per_round=4",
-        "rollout.max_new_tokens=24",
-        "data.train.max_prompts=16",
-        f"opd.steps={STEPS}",
-        "opd.checkpoint_every=2",
-        "wandb.mode=disabled",
-        f"hydra.run.dir={run_dir}",
-    ]
+    return helpers.short_opd_run(target, run_dir, STEPS, "cluster.rollout_engines=1")
 
 
 def _opd_rows(run_dir: Path) -> list[dict]:
