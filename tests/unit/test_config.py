@@ -29,14 +29,14 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     assert cfg.optim.lr == 1e-4 and cfg.optim.warmup_ratio == 0.05  # OPD continues at the end of SFT
     assert cfg.rollout.temperature == 0.0
     assert cfg.draft.kind == "eagle3" and cfg.draft.num_speculative_tokens == 4
-    assert cfg.stages == ["sft", "opd", "eval"]
+    assert cfg.stages == ["sft", "opd", "eval"] and cfg.opd.steps == 20
     assert cfg.cluster.name == "local" and cfg.cluster.gpus_per_node == 0
     assert cfg.draft.aux_layer_ids is None  # derived from the target: (2, L/2, L-1)
     assert cfg.draft.draft_vocab_size is None and cfg.draft.ttt_steps == 4  # from the target: at most 8,192
     assert cfg.draft.vocab_for(49152) == 8192 and cfg.draft.vocab_for(4096) == 4096
-    assert cfg.data.train.max_prompts == 2560 and cfg.sft.num_prompts == 1536
+    assert cfg.data.train.max_prompts == 2560 and cfg.sft.num_prompts == 768
     assert cfg.sft.trajectory_dtype == "auto" and cfg.sft.batch_tokens == 512  # auto: bfloat16 where fast
-    assert cfg.sft.train_tokens == 1_250_000 and cfg.sft.time_budget_min is None  # tokens; minutes a cap
+    assert cfg.sft.train_tokens == 160_000 and cfg.sft.time_budget_min is None  # tokens; minutes a cap
 
 
 def test_defaults_are_written_once() -> None:
