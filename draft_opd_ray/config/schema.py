@@ -434,7 +434,7 @@ class EvalConfig:
     """Held-out evaluation: τ with 95% CIs and paired differences, speed-up beside vLLM's baselines."""
 
     max_new_tokens: int = 256
-    concurrency: list[int] = field(default_factory=lambda: [1])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # served speed-up at each
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
     # prompt sets measured beside data.eval, data.eval.max_prompts of each: humaneval (code, packaged) and
     # validation (data.train's source, its held-out hash split: prompts no training stage sees)

@@ -45,14 +45,15 @@ def _measure(
     concurrency: Sequence[int],
     speed_prompts: int,
 ) -> dict[str, Any]:
-    """τ entry, per-position acceptance and tokens/s at each concurrency of one method on one eval set."""
+    """τ entry, per-position acceptance and tokens/s at each concurrency of one method on one eval set (the
+    first max(speed_prompts, c) prompts at concurrency c, so that c requests are in flight at once)."""
     stats, recs = measure_all(engine, prompts, sampling)
     ok = [r for r in recs if not r.error]
     out: dict[str, Any] = {
         **tau_entry(stats, recs),
         "acceptance_per_position": acceptance_per_position(ok, k) if any(r.num_steps for r in ok) else [],
         "tokens_per_s": {
-            c: _tokens_per_second(engine, prompts[:speed_prompts], sampling, c) for c in concurrency
+            c: _tokens_per_second(engine, prompts[: max(speed_prompts, c)], sampling, c) for c in concurrency
         },
     }
     return out
