@@ -1,8 +1,9 @@
-"""The Draft-OPD vs SFT study under the plateau-first protocol (docs/results.md). Three commands, each resumable:
+"""The Draft-OPD vs SFT study under the plateau-first protocol (docs/results.md). Its commands, each resumable:
 
     python bench/study.py plateau [--kind eagle3]    # SFT on a fixed answer set, exports at every doubling
     python bench/study.py arms --arms opd,sft,sft_rollouts --seeds 0,1
     python bench/study.py eval                       # tau of the plateau exports and every arm (validation, ...)
+    python bench/study.py adopt RUN_DIR --name eagle3_short   # a finished default run as a study's opd arm
     python -m draft_opd_ray.compare runs/study/eagle3/arms/*      # (eval runs it too)
 
 1. plateau: `python -m draft_opd_ray.main stages=[sft]` on the first 768 ShareGPT train prompts' target answers
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +53,11 @@ EVAL_SETS = {
     "mtbench": ("mtbench", "all"),
     "humaneval": ("humaneval", "all"),
 }
+
+
+def study(args: argparse.Namespace) -> Path:
+    """The study's folder: runs/study/<--name>, by default the draft kind's."""
+    return ROOT / (args.name or args.kind)
 
 
 def sh(args: list[str], log: Path) -> None:
@@ -105,7 +112,7 @@ def measure(
 
 
 def plateau(args: argparse.Namespace) -> None:
-    run = ROOT / args.kind / "plateau"
+    run = study(args) / "plateau"
     budget = args.tokens
     marks = [budget >> i for i in range(args.doublings, 0, -1)]
     if not checkpoints(run, "sft") or not (run / "checkpoints" / "sft" / "latest").exists():
@@ -126,9 +133,9 @@ def plateau(args: argparse.Namespace) -> None:
     print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
 
 
-def plateau_curve(kind: str, taus: dict[str, dict[str, Any]]) -> None:
+def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
     """eval/curve.json of the plateau run (validation tau of every export) and the rule's verdict."""
-    run = ROOT / kind / "plateau"
+    run = root / "plateau"
     curve = []
     for d in checkpoints(run, "sft"):
         e = taus[str(d)]
@@ -147,18 +154,39 @@ def plateau_curve(kind: str, taus: dict[str, dict[str, Any]]) -> None:
     print(f"[plateau] last doubling {gain:+.3f}: {'plateaued' if verdict['plateaued'] else 'NOT plateaued'}")
 
 
-def branch_point(kind: str) -> Path:
-    info = ROOT / kind / "plateau" / "plateau.json"
+def branch_point(args: argparse.Namespace) -> Path:
+    info = study(args) / "plateau" / "plateau.json"
     if not info.is_file():
-        raise SystemExit(f"no {info}: run `python bench/study.py plateau --kind {kind}` first")
+        raise SystemExit(f"no {info}: run `python bench/study.py plateau --kind {args.kind}` first")
     return Path(json.loads(info.read_text())["branch"])
+
+
+def adopt(args: argparse.Namespace) -> None:
+    """Take a finished ``stages=[sft,opd,...]`` run (e.g. the default `make run`) into a study: its SFT export is
+    the branch point and its Draft-OPD run the ``opd`` arm of ``--seed`` (copied). The same arm from scratch:
+    `plateau` with the run's SFT budget, then `arms --arms opd`."""
+    run = Path(args.run_dir)
+    sft, opd = checkpoints(run, "sft"), checkpoints(run, "opd")
+    if not sft or not opd:
+        raise SystemExit(f"{run}: needs both checkpoints/sft and checkpoints/opd (a stages=[sft,opd] run)")
+    dest = arm_dir(args, "opd", args.seed)
+    if dest.exists():
+        raise SystemExit(f"{dest} exists")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("eval"))
+    (dest / "arm").write_text("opd\n")
+    info = study(args) / "plateau" / "plateau.json"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    branch = dest / sft[-1].relative_to(run)
+    info.write_text(json.dumps({"branch": str(branch), "adopted_from": str(run)}, indent=2) + "\n")
+    print(f"[adopt] branch point {branch}; opd arm (seed {args.seed}) {dest}")
 
 
 # ------------------------------------------------------------------------------------------------ arms
 
 
-def arm_dir(kind: str, arm: str, seed: int) -> Path:
-    return ROOT / kind / "arms" / f"{arm}_s{seed}"
+def arm_dir(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    return study(args) / "arms" / f"{arm}_s{seed}"
 
 
 def final_draft(run: Path) -> Path | None:
@@ -169,16 +197,16 @@ def final_draft(run: Path) -> Path | None:
 
 
 def arms(args: argparse.Namespace) -> None:
-    branch = branch_point(args.kind)
+    branch = branch_point(args)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in args.arms.split(","):
-            run = arm_dir(args.kind, arm, seed)
+            run = arm_dir(args, arm, seed)
             if final_draft(run) is not None:
                 print(f"[arms] {run}: done")
                 continue
             extra = [f"draft={args.kind}", f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
             if arm == "sft":
-                opd = arm_dir(args.kind, "opd", seed)
+                opd = arm_dir(args, "opd", seed)
                 if final_draft(opd) is None:
                     raise SystemExit(f"the sft arm matches the FLOPs of {opd}: run the opd arm first")
                 extra += [
@@ -203,22 +231,20 @@ def evaluate_arms(args: argparse.Namespace) -> None:
     curve), write each measured arm's report and curve, then compare every arm that has a report."""
     from draft_opd_ray.models.target import ensure_embedded_target
 
-    branch = branch_point(args.kind)
-    arms_dir = ROOT / args.kind / "arms"
+    branch = branch_point(args)
+    arms_dir = study(args) / "arms"
     runs = sorted(p for p in arms_dir.glob(args.only) if final_draft(p) is not None)
     ckpts = {r: checkpoints(r, "opd") or checkpoints(r, "sft") for r in runs}
     drafts = [branch] + [d for r in runs for d in ckpts[r]]
     target = str(ensure_embedded_target())
     sets = args.sets.split(",")
-    exports = (
-        [d for d in checkpoints(ROOT / args.kind / "plateau", "sft") if d != branch] if args.exports else []
-    )
+    exports = [d for d in checkpoints(study(args) / "plateau", "sft") if d != branch] if args.exports else []
     taus: dict[str, dict[str, Any]] = {}
     for s in sets:  # the plateau's other exports ride along on the validation set
         extra = exports if s == "validation" else []
         taus |= measure(target, args.kind, [*drafts, *extra], [s], args.eval_prompts, args.max_new_tokens)
     if "validation" in sets and exports:
-        plateau_curve(args.kind, taus["validation"])
+        plateau_curve(study(args), taus["validation"])
     for run in runs:
         _arm_report(run, branch, ckpts[run], target, sets, taus)
     _compare_all(args, sets)
@@ -265,13 +291,13 @@ def _arm_report(
 def _compare_all(args: argparse.Namespace, sets: list[str]) -> None:
     from draft_opd_ray.compare import run_compare
 
-    arms_dir = ROOT / args.kind / "arms"
+    arms_dir = study(args) / "arms"
     reported = sorted(str(p) for p in arms_dir.glob("*_s*") if (p / "eval" / "report.json").is_file())
     for s in sets:
         have = [
             r for r in reported if s in json.loads((Path(r) / "eval" / "report.json").read_text())["datasets"]
         ]
-        run_compare(have, out=ROOT / args.kind / "compare" / s, dataset=s, baseline=args.baseline)
+        run_compare(have, out=study(args) / "compare" / s, dataset=s, baseline=args.baseline)
 
 
 def main() -> None:
@@ -292,11 +318,15 @@ def main() -> None:
     e.add_argument(
         "--exports", action="store_true", help="also the plateau's exports (its curve, validation)"
     )
-    for q in (p, a, e):
+    d = sub.add_parser("adopt")
+    d.add_argument("run_dir", help="a finished stages=[sft,opd,...] run dir")
+    d.add_argument("--seed", type=int, default=0)
+    for q in (p, a, e, d):
         q.add_argument("--kind", default="eagle3")
+        q.add_argument("--name", default=None, help="the study's folder under runs/study (default: --kind)")
         q.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()
-    {"plateau": plateau, "arms": arms, "eval": evaluate_arms}[args.cmd](args)
+    {"plateau": plateau, "arms": arms, "eval": evaluate_arms, "adopt": adopt}[args.cmd](args)
 
 
 if __name__ == "__main__":

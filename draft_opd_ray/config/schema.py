@@ -275,6 +275,10 @@ class TeacherConfig:
         _one_of(self.dtype, "teacher.dtype", ("auto", "float32", "bfloat16", "float16"))
         _check(self.topk is None or self.topk >= 1, "teacher.topk", f"must be >= 1 or null, got {self.topk}")
 
+    def kept(self, vocab: int) -> int:
+        """Teacher probabilities kept per position over a draft vocabulary of ``vocab`` tokens (both arms)."""
+        return vocab if self.topk is None else min(self.topk, vocab)
+
 
 @dataclass
 class LossConfig:

@@ -264,6 +264,17 @@ def _rollout_workers(
     ]
 
 
+def replay_teacher(cfg: Config) -> dict[str, Any]:
+    """The replay's teacher from `cfg.teacher`, the setting the SFT feature pass reads too: the target's
+    precision and the probabilities kept per position (top-k, or the whole draft vocabulary)."""
+    full = cfg.teacher.topk is None
+    return {
+        "dtype": resolve_dtype(cfg.teacher.dtype),
+        "payload": "full" if full else "topk",
+        "topk": cfg.teacher.topk or 1,
+    }
+
+
 def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, Any], cpu: bool) -> Any:
     import ray
 
@@ -279,10 +290,8 @@ def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, A
             aux_layer_ids=feature_ids,
             draft_ids=draft_ids,
             k=cfg.draft.num_speculative_tokens,
-            dtype=resolve_dtype(cfg.teacher.dtype),
             num_threads=1 if cpu else None,
-            payload="topk" if cfg.teacher.topk is not None else "full",
-            topk=cfg.teacher.topk or 1,
+            **replay_teacher(cfg),
             teacher=cfg.loss.objective == "opd",
             mode=cfg.replay.mode,
             draft_kind=cfg.draft.kind,

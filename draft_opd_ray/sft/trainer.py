@@ -196,7 +196,7 @@ def _cache_path(
     cache_dir: str | os.PathLike[str],
 ) -> Path:
     """The feature cache file of these trajectories for this recipe, teacher and stored precision."""
-    topk = teacher.topk or len(recipe.label_ids)
+    topk = teacher.kept(len(recipe.label_ids))
     key = FeatureCache.key(
         trajectories, recipe.feature_ids, recipe.label_ids, topk, dtype_name, forward_dtype(teacher.dtype)
     )
@@ -218,7 +218,7 @@ def _feature_source(
     """Target features + the teacher's top-k soft labels (`teacher.topk`, null = the whole label vocabulary),
     the target run in `teacher.dtype`: built once and cached (``cache``) or computed per batch."""
     aux, draft_ids = recipe.feature_ids, recipe.label_ids
-    topk = teacher.topk or len(draft_ids)
+    topk = teacher.kept(len(draft_ids))
     forward = forward_dtype(teacher.dtype)
     if mode == "cache":
         return FeatureCache.build(

@@ -5,6 +5,8 @@ in tests/integration/test_learner_deepspeed.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,3 +167,37 @@ def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="redraft")
     with pytest.raises(RuntimeError, match="holds no draft"):
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k).load_draft_weights({}, 1)
+
+
+def test_sft_soft_labels_are_the_replays_teacher(replay_case) -> None:
+    """One `teacher` setting feeds both arms: with the default (top-16 over the draft vocabulary, `auto`
+    precision) the replay's teacher at an anchor's accepted positions, which lie on the sequence itself, is SFT's
+    soft label at the same position of the same sequence (SFT renormalises its top-k)."""
+    from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.opd.actors import replay_teacher
+    from draft_opd_ray.sft.features import forward_dtype, load_hf_target, target_features
+
+    c, cfg = replay_case, Config()
+    draft_ids = list(range(0, c.model.config.vocab_size, 3))
+    kept = cfg.teacher.kept(len(draft_ids))
+    assert (
+        kept == 16 and cfg.teacher.kept(8) == 8 and dataclasses.replace(cfg.teacher, topk=None).kept(99) == 99
+    )
+    replay = ReplayActor(
+        str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=draft_ids, k=c.k, **replay_teacher(cfg)
+    )
+    (t,) = replay.score([c.item])
+    hf = load_hf_target(c.target, forward_dtype(cfg.teacher.dtype))
+    with torch.no_grad():
+        ((_, ids, p, _),) = target_features(
+            hf, [c.item.input_ids], (1, 2), torch.tensor(draft_ids), topk=kept
+        )
+    assert t.teacher_topk_ids is not None and t.teacher_topk_logprobs is not None
+    assert t.teacher_topk_ids.shape[-1] == ids.shape[-1] == kept
+    compared = 0
+    for j, (n, a) in enumerate(zip(c.item.anchor_pos, c.item.accepted)):
+        for k in range(1, min(a + 1, int(t.valid_len[j])) + 1):  # p_k on the stream: row n + k - 1
+            assert torch.equal(t.teacher_topk_ids[j, k - 1], ids[n + k - 1]), (j, k)
+            torch.testing.assert_close(torch.softmax(t.teacher_topk_logprobs[j, k - 1], -1), p[n + k - 1])
+            compared += 1
+    assert compared == sum(min(a + 1, c.k) for a in c.item.accepted)  # a block of K: at most K positions
