@@ -376,9 +376,9 @@ class SFTConfig:
     # The EAGLE-3 warm start of the default run (other kinds override in their draft group): a short SFT, ~640
     # steps of 512 padded tokens over 768 target answers (generated in bfloat16 where the hardware has it, 1.5x
     # faster on a CPU with AVX512-BF16; they are only contexts, the soft labels come from the teacher-forced
-    # forward). The default run shows the on-policy loop raising tau over this warm start on held-out prompts; a
-    # plateaued warm start (tau 1.79 at 1.28M tokens, still rising) is where Draft-OPD and continued SFT tie
-    # within noise on this testbed (docs/results.md). Users with a GPU train longer: sft.train_tokens=1250000.
+    # forward). The default run shows the on-policy loop raising tau over this warm start on held-out prompts
+    # (SFT continued for the same FLOPs raises it more; from 1.28M tokens the two tie within noise: docs/results.md).
+    # Users with a GPU train longer: sft.train_tokens=1250000.
     num_prompts: int = 768  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
     trajectory_dtype: str = (
