@@ -419,7 +419,12 @@ class SFTConfig:
 class OPDConfig:
     """The Draft-OPD loop (rollout → anchors → replay → learner → broadcast)."""
 
-    steps: int = 20
+    # 15 steps of 32 rollouts (2 workers x 16 prompts) on the default plan: the ~480 rollouts of the measured
+    # default run (docs/results.md)
+    steps: int = 15
+    # rollout rounds (rollout.prompts_per_round prompts each) a step trains on, in the order they were handed
+    # out, so a step's batch does not depend on which worker finished first; None = one per rollout worker
+    rounds_per_step: int | None = None
     checkpoint_every: int = 10
     # steps in a row that apply nothing because of a non-finite loss or gradient before the run stops
     max_nonfinite_steps: int = 3
@@ -427,6 +432,9 @@ class OPDConfig:
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "opd.steps", f"must be >= 1, got {self.steps}")
         _check(self.checkpoint_every >= 1, "opd.checkpoint_every", "must be >= 1")
+        _check(
+            self.rounds_per_step is None or self.rounds_per_step >= 1, "opd.rounds_per_step", "must be >= 1"
+        )
         _check(self.max_nonfinite_steps >= 1, "opd.max_nonfinite_steps", "must be >= 1")
 
 

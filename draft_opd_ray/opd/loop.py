@@ -31,7 +31,7 @@ from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeigh
 from draft_opd_ray.placement import PlacementPlan
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, read_parquet, tau, write_parquet
-from draft_opd_ray.waits import wait_any, wait_for, when_back
+from draft_opd_ray.waits import wait_for, when_back
 
 EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
@@ -164,7 +164,8 @@ def take_rounds(
 
 class _Rounds:
     """One generation round in flight on every rollout worker; a finished round is replaced at once by the next
-    prompts of the feed, so the workers never wait for the learner.
+    prompts of the feed, so the workers never wait for the learner. A step trains on the next
+    ``opd.rounds_per_step`` rounds in feed order (`take`), so its batch does not depend on timing.
 
     ``submitted``: rounds handed out so far (the feed's position: round i starts at prompt ``i * per_round`` of the
     cycled prompt list). ``ready``: finished rounds not taken yet: a checkpoint `drain`s the workers and keeps
@@ -193,29 +194,32 @@ class _Rounds:
         self.on_restart, self.max_restarts = on_restart, max_restarts
         self.restarts = 0
         self._deaths = [0] * len(self.workers)
-        self.inflight: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, first prompt of its round)
+        # ref -> (worker index, first prompt of its round, the round's number in the feed)
+        self.inflight: dict[Any, tuple[int, int, int]] = {}
         self.refill()
 
     def refill(self) -> None:
         """A round in flight on every worker that has none (all of them after `drain`)."""
-        busy = {w for w, _ in self.inflight.values()}
+        busy = {w for w, _, _ in self.inflight.values()}
         for w in range(len(self.workers)):
             if w not in busy:
                 self._submit(w)
 
-    def _submit(self, w: int, start: int | None = None) -> None:
-        if start is None:
-            start = self.starts[self.submitted % len(self.starts)]
+    def _submit(self, w: int, again: tuple[int, int] | None = None) -> None:
+        """The feed's next round on worker ``w``, or ``again`` = (first prompt, number) of a round it lost."""
+        if again is None:
+            again = (self.starts[self.submitted % len(self.starts)], self.submitted)
             self.submitted += 1
+        start, number = again
         ref = self.workers[w].generate.remote(list(self.prompts[start : start + self.n]), self.sampling)
-        self.inflight[ref] = (w, start)
+        self.inflight[ref] = (w, start, number)
 
     def _collect(self, ref: Any, what: str) -> list[RequestRecord] | None:
         """The round behind ``ref``, or None when its worker died (then restarted, given the current weights and
         the same prompts again)."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-        w, start = self.inflight.pop(ref)
+        w, start, number = self.inflight.pop(ref)
         try:
             return wait_for(ref, what)  # type: ignore[no-any-return]
         except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
@@ -228,39 +232,31 @@ class _Rounds:
                 ) from None
             self.restarts += 1
             self.on_restart(self.workers[w])
-            self._submit(w, start)
+            self._submit(w, (start, number))
             return None
 
     def drain(self) -> list[list[RequestRecord]]:
         """Wait for every round in flight (in the order they were handed out) and keep them for the next `take`;
         the workers stay idle until `refill`. Returns every round not taken yet."""
         while self.inflight:
-            ref = next(iter(self.inflight))
+            ref = min(self.inflight, key=lambda r: self.inflight[r][2])
             got = self._collect(ref, "rollout worker: finish its round for the checkpoint")
             if got is not None:
                 self.ready.append(got)
         return list(self.ready)
 
-    def take(self) -> list[list[RequestRecord]]:
-        """The rounds kept by `drain` if any; else wait for one round, then take every other finished one too."""
-        import ray
-
-        out: list[list[RequestRecord]] = []
-        if self.ready:
-            out, self.ready = self.ready, []
-            return out
-        while not out:
-            ready = wait_any(
-                list(self.inflight), f"rollout workers: generate ({len(self.inflight)} rounds in flight)"
-            )
-            rest = [r for r in self.inflight if r != ready[0]]
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-            for ref in ready + more:
-                w = self.inflight[ref][0]
-                got = self._collect(ref, "rollout worker: return its finished round")
-                if got is not None:
-                    out.append(got)
-                    self._submit(w)  # keep it busy
+    def take(self, k: int) -> list[list[RequestRecord]]:
+        """The next ``k`` rounds in the order they were handed out (the rounds kept by `drain` first); each
+        collected round's worker gets the next prompts at once. A step's batch is the same whichever worker
+        finishes first, and a checkpoint's drain does not change it."""
+        out, self.ready = self.ready[:k], self.ready[k:]
+        while len(out) < k:
+            ref = min(self.inflight, key=lambda r: self.inflight[r][2])
+            w = self.inflight[ref][0]
+            got = self._collect(ref, f"rollout worker {w}: generate ({len(self.inflight)} rounds in flight)")
+            if got is not None:
+                out.append(got)
+                self._submit(w)  # keep it busy
         return out
 
 
@@ -414,7 +410,7 @@ def _one_step(
     behind = 0
     empty = 0
     while not records:
-        got = rounds.take()
+        got = rounds.take(cfg.opd.rounds_per_step or len(actors.workers))
         records, d, behind = take_rounds(got, state.version, cfg.async_.max_staleness)
         state.dropped += d
         empty += 0 if records or d else len(got)

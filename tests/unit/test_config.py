@@ -29,7 +29,7 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     assert cfg.optim.lr == 1e-4 and cfg.optim.warmup_ratio == 0.05  # OPD continues at the end of SFT
     assert cfg.rollout.temperature == 0.0
     assert cfg.draft.kind == "eagle3" and cfg.draft.num_speculative_tokens == 4
-    assert cfg.stages == ["sft", "opd", "eval"] and cfg.opd.steps == 20
+    assert cfg.stages == ["sft", "opd", "eval"] and cfg.opd.steps == 15 and cfg.opd.rounds_per_step is None
     assert cfg.cluster.name == "local" and cfg.cluster.gpus_per_node == 0
     assert cfg.draft.aux_layer_ids is None  # derived from the target: (2, L/2, L-1)
     assert cfg.draft.draft_vocab_size is None and cfg.draft.ttt_steps == 4  # from the target: at most 8,192
