@@ -173,7 +173,8 @@ def adopt(args: argparse.Namespace) -> None:
     if dest.exists():
         raise SystemExit(f"{dest} exists")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("eval"))
+    # its eval/report.json too: τ on its eval set, paired against the branch point (its SFT export)
+    shutil.copytree(run, dest)
     (dest / "arm").write_text("opd\n")
     info = study(args) / "plateau" / "plateau.json"
     info.parent.mkdir(parents=True, exist_ok=True)
@@ -235,6 +236,8 @@ def evaluate_arms(args: argparse.Namespace) -> None:
     arms_dir = study(args) / "arms"
     runs = sorted(p for p in arms_dir.glob(args.only) if final_draft(p) is not None)
     ckpts = {r: checkpoints(r, "opd") or checkpoints(r, "sft") for r in runs}
+    if args.last:  # the final drafts only, no curve: one measurement per arm
+        ckpts = {r: c[-1:] for r, c in ckpts.items()}
     drafts = [branch] + [d for r in runs for d in ckpts[r]]
     target = str(ensure_embedded_target())
     sets = args.sets.split(",")
@@ -318,6 +321,7 @@ def main() -> None:
     e.add_argument(
         "--exports", action="store_true", help="also the plateau's exports (its curve, validation)"
     )
+    e.add_argument("--last", action="store_true", help="each arm's final draft only (no tau-vs-FLOPs curve)")
     d = sub.add_parser("adopt")
     d.add_argument("run_dir", help="a finished stages=[sft,opd,...] run dir")
     d.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,9 @@
 """Exact resume: a run killed (SIGKILL, the whole process group) at a random moment after its step-2 checkpoint
 and resumed with `resume=<run dir>` logs the same losses, τ and versions as the same run left alone, with no
-duplicate metrics rows. Deterministic settings: one rollout worker (its rounds come in one order), greedy
-rollouts, fp32 on CPU. The checkpoint holds the pipeline (the feed's position and the rounds in flight), so
-the resumed run sees the same rounds. Slow: `make test-slow`."""
+duplicate metrics rows. Two rollout workers (the default plan): a step trains on the next rounds in feed
+order (`opd.rounds_per_step`), whichever worker finishes first. Greedy rollouts, fp32 on CPU. The checkpoint
+holds the pipeline (the feed's position and the rounds in flight), so the resumed run sees the same rounds.
+Slow: `make test-slow`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ LOSS_RTOL = 1e-5  # fp32 on CPU, the same ops in the same order: equal up to sum
 
 
 def _overrides(target: Path, run_dir: Path) -> list[str]:
-    return helpers.short_opd_run(target, run_dir, STEPS, "cluster.rollout_engines=1")
+    return helpers.short_opd_run(target, run_dir, STEPS, "cluster.rollout_engines=2")
 
 
 def _opd_rows(run_dir: Path) -> list[dict]:
