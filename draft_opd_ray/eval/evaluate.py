@@ -22,7 +22,13 @@ from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval.stats import paired_diff
 from draft_opd_ray.eval.tau import measure_all, tau_entry
 from draft_opd_ray.metrics import finite
-from draft_opd_ray.rollout.engine import BASELINES, Sampling, SpecDecodeEngine, speculative_config
+from draft_opd_ray.rollout.engine import (
+    BASELINES,
+    Sampling,
+    SpecDecodeEngine,
+    all_cores,
+    speculative_config,
+)
 from draft_opd_ray.rollout.records import acceptance_per_position
 
 
@@ -94,7 +100,12 @@ def evaluate(
     for kind, path in methods:
         first = str(before) if before is not None and kind == draft_kind else path
         engine = SpecDecodeEngine(
-            target, draft_kind=kind, draft_path=first, num_speculative_tokens=k, max_model_len=max_model_len
+            target,
+            draft_kind=kind,
+            draft_path=first,
+            num_speculative_tokens=k,
+            max_model_len=max_model_len,
+            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
         )
         try:
             if first != path:

@@ -93,7 +93,7 @@ def measure_drafts(
     value is a `tau_entry` (τ, n, 95% CI, per-prompt counts)."""
     from safetensors.torch import load_file
 
-    from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+    from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
 
     sampling = Sampling(
         max_new_tokens=max_new_tokens, stop_token_ids=(eos_token_id,) if eos_token_id is not None else ()
@@ -105,6 +105,7 @@ def measure_drafts(
         draft_path=str(drafts[0]),
         num_speculative_tokens=k,
         max_model_len=max_model_len,
+        cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
     )
     try:
         for v, path in enumerate(drafts):
