@@ -56,14 +56,3 @@ def when_back(call: Callable[[], Any], what: str, timeout: float | None = None) 
                     f"{what}: the actor did not come back in {limit:.0f} s (cluster.actor_timeout_s)"
                 ) from None
             time.sleep(1.0)
-
-
-def wait_any(refs: list[Any], what: str, timeout: float | None = None) -> list[Any]:
-    """The refs among ``refs`` that are ready, waiting for at least one within the timeout."""
-    import ray
-
-    limit = _timeout_s if timeout is None else timeout
-    ready, _ = ray.wait(refs, num_returns=1, timeout=limit)
-    if not ready:
-        raise RunError(f"{what}: nothing finished in {limit:.0f} s (cluster.actor_timeout_s)")
-    return ready

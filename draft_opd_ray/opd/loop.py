@@ -163,9 +163,9 @@ def take_rounds(
 
 
 class _Rounds:
-    """One generation round in flight on every rollout worker; a finished round is replaced at once by the next
-    prompts of the feed, so the workers never wait for the learner. A step trains on the next
-    ``opd.rounds_per_step`` rounds in feed order (`take`), so its batch does not depend on timing.
+    """One generation round in flight on every rollout worker; a round is replaced by the next prompts of the feed
+    as soon as it is collected, so the workers keep generating while the learner steps. A step trains on the next
+    ``opd.rounds_per_step`` rounds in feed order (`take`, oldest first), so its batch does not depend on timing.
 
     ``submitted``: rounds handed out so far (the feed's position: round i starts at prompt ``i * per_round`` of the
     cycled prompt list). ``ready``: finished rounds not taken yet: a checkpoint `drain`s the workers and keeps
@@ -214,6 +214,10 @@ class _Rounds:
         ref = self.workers[w].generate.remote(list(self.prompts[start : start + self.n]), self.sampling)
         self.inflight[ref] = (w, start, number)
 
+    def _oldest(self) -> Any:
+        """The round in flight that was handed out first (a lost round keeps its number when handed out again)."""
+        return min(self.inflight, key=lambda r: self.inflight[r][2])
+
     def _collect(self, ref: Any, what: str) -> list[RequestRecord] | None:
         """The round behind ``ref``, or None when its worker died (then restarted, given the current weights and
         the same prompts again)."""
@@ -239,7 +243,7 @@ class _Rounds:
         """Wait for every round in flight (in the order they were handed out) and keep them for the next `take`;
         the workers stay idle until `refill`. Returns every round not taken yet."""
         while self.inflight:
-            ref = min(self.inflight, key=lambda r: self.inflight[r][2])
+            ref = self._oldest()
             got = self._collect(ref, "rollout worker: finish its round for the checkpoint")
             if got is not None:
                 self.ready.append(got)
@@ -251,7 +255,7 @@ class _Rounds:
         finishes first, and a checkpoint's drain does not change it."""
         out, self.ready = self.ready[:k], self.ready[k:]
         while len(out) < k:
-            ref = min(self.inflight, key=lambda r: self.inflight[r][2])
+            ref = self._oldest()
             w = self.inflight[ref][0]
             got = self._collect(ref, f"rollout worker {w}: generate ({len(self.inflight)} rounds in flight)")
             if got is not None:

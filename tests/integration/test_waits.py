@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 def test_a_stuck_actor_is_named_within_the_timeout() -> None:
     import ray
 
-    from draft_opd_ray.waits import wait_any, wait_for
+    from draft_opd_ray.waits import wait_for
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -32,7 +32,5 @@ def test_a_stuck_actor_is_named_within_the_timeout() -> None:
         with pytest.raises(RunError, match=r"replay actor 0: score 4 sequences: no answer in 2 s"):
             wait_for(a.nap.remote(60.0), "replay actor 0: score 4 sequences", timeout=2)
         assert time.monotonic() - t0 < 10
-        with pytest.raises(RunError, match=r"rollout workers: generate: nothing finished in 1 s"):
-            wait_any([a.nap.remote(60.0)], "rollout workers: generate", timeout=1)
     finally:
         ray.shutdown()
