@@ -138,16 +138,16 @@ class DraftConfig:
             "draft.draft_vocab_size",
             "must be >= 2",
         )
+        _check(self.ttt_steps >= 1, "draft.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(0 < self.ttt_decay <= 1, "draft.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+        if self.aux_layer_ids is not None:
+            _check(len(self.aux_layer_ids) >= 1, "draft.aux_layer_ids", "must list at least one layer")
 
     def vocab_for(self, target_vocab: int) -> int:
         """The draft vocabulary an EAGLE-3 head gets for a target of ``target_vocab`` tokens."""
         if self.draft_vocab_size is not None:
             return self.draft_vocab_size
         return min(DEFAULT_DRAFT_VOCAB, target_vocab)
-        _check(self.ttt_steps >= 1, "draft.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
-        _check(0 < self.ttt_decay <= 1, "draft.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
-        if self.aux_layer_ids is not None:
-            _check(len(self.aux_layer_ids) >= 1, "draft.aux_layer_ids", "must list at least one layer")
 
 
 @dataclass

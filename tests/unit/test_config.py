@@ -82,6 +82,19 @@ def test_good_dry_run_exits_zero_fast() -> None:
 # The bad-input matrix (every user error: one line, exit code 2, no run dir): tests/integration/test_bad_input.py
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("draft.ttt_steps=0", "draft.ttt_steps: must be >= 1, got 0"),
+        ("draft.ttt_decay=0", "draft.ttt_decay: must be in (0, 1], got 0.0"),
+        ("draft.aux_layer_ids=[]", "draft.aux_layer_ids: must list at least one layer"),
+    ],
+)
+def test_draft_training_time_test_fields_are_checked(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose([override])
+
+
 def test_validate_raises_config_error_in_process() -> None:
     with pytest.raises(ConfigError, match="cluster: the actors need"):
         validate(compose(["+cluster=8xA100", "cluster.learner_ranks=5"]))
