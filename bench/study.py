@@ -4,6 +4,8 @@
     python bench/study.py arms --arms opd,sft,sft_rollouts --seeds 0,1
     python bench/study.py eval                       # tau of the plateau exports and every arm (validation, ...)
     python bench/study.py adopt RUN_DIR --name eagle3_short   # a finished default run as a study's opd arm
+    python bench/study.py plateau --kind standalone --name standalone6 --set draft.num_layers=6 --tokens 370000
+                                                     # --set: any override; a plateau's are kept and every arm gets them
     python -m draft_opd_ray.compare runs/study/eagle3/arms/*      # (eval runs it too)
 
 1. plateau: `python -m draft_opd_ray.main stages=[sft]` on the first 768 ShareGPT train prompts' target answers
@@ -124,12 +126,14 @@ def plateau(args: argparse.Namespace) -> None:
                     f"draft={args.kind}",
                     f"sft.train_tokens={budget}",
                     f"sft.curve_tokens=[{','.join(map(str, marks))}]",
+                    *args.set,
                 ],
             ),
             run / "sft.log",
         )
     drafts = checkpoints(run, "sft")
-    (run / "plateau.json").write_text(json.dumps({"branch": str(drafts[-1])}, indent=2) + "\n")
+    info = {"branch": str(drafts[-1]), "overrides": args.set}
+    (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
 
 
@@ -146,7 +150,8 @@ def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
     verdict = {"plateaued": bool(gain < 0.02), "last_doubling_gain": gain, "rule": "gain < +0.02 tau"}
     (run / "eval").mkdir(parents=True, exist_ok=True)
     (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
-    (run / "plateau.json").write_text(json.dumps({"branch": curve[-1]["draft"], **verdict}, indent=2) + "\n")
+    info = {**_plateau_info(root), "branch": curve[-1]["draft"], **verdict}
+    (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     for c in curve:
         print(
             f"[plateau] {c['flops']:.3g} FLOPs: tau {c['tau']:.3f} [{c['tau_ci'][0]:.3f}, {c['tau_ci'][1]:.3f}]"
@@ -154,11 +159,20 @@ def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
     print(f"[plateau] last doubling {gain:+.3f}: {'plateaued' if verdict['plateaued'] else 'NOT plateaued'}")
 
 
-def branch_point(args: argparse.Namespace) -> Path:
-    info = study(args) / "plateau" / "plateau.json"
+def _plateau_info(root: Path) -> dict[str, Any]:
+    info = root / "plateau" / "plateau.json"
     if not info.is_file():
-        raise SystemExit(f"no {info}: run `python bench/study.py plateau --kind {args.kind}` first")
-    return Path(json.loads(info.read_text())["branch"])
+        raise SystemExit(f"no {info}: run `python bench/study.py plateau` for this study first")
+    return dict(json.loads(info.read_text()))
+
+
+def branch_point(args: argparse.Namespace) -> Path:
+    return Path(_plateau_info(study(args))["branch"])
+
+
+def plateau_overrides(args: argparse.Namespace) -> list[str]:
+    """The plateau's own ``--set`` overrides (e.g. ``draft.num_layers=6``): every arm runs with them."""
+    return list(_plateau_info(study(args)).get("overrides", []))
 
 
 def adopt(args: argparse.Namespace) -> None:
@@ -205,7 +219,8 @@ def arms(args: argparse.Namespace) -> None:
             if final_draft(run) is not None:
                 print(f"[arms] {run}: done")
                 continue
-            extra = [f"draft={args.kind}", f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
+            extra = [f"draft={args.kind}", *plateau_overrides(args), *args.set]
+            extra += [f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
             if arm == "sft":
                 opd = arm_dir(args, "opd", seed)
                 if final_draft(opd) is None:
@@ -310,6 +325,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1_280_000, help="SFT budget in trained tokens")
     p.add_argument("--doublings", type=int, default=4, help="exports at budget/2, /4, ...")
     a = sub.add_parser("arms")
+    for q in (p, a):
+        q.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a config override (repeatable); the plateau's are kept in plateau.json and every arm gets them",
+        )
     a.add_argument("--arms", default="opd,sft,sft_rollouts")
     a.add_argument("--seeds", default="0")
     a.add_argument("--steps", type=int, default=30, help="Draft-OPD learner steps of the opd-loop arms")

@@ -1,0 +1,94 @@
+"""`bench/study.py`: the overrides a plateau was trained with are kept beside its branch point and reach every arm,
+so a study of a non-default draft (e.g. a 6-layer standalone slice) cannot branch into arms of another shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "study.py"
+
+
+@pytest.fixture
+def study(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[ModuleType, list[list[str]]]:
+    spec = importlib.util.spec_from_file_location("study_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.chdir(tmp_path)
+    calls: list[list[str]] = []
+
+    def fake_sh(args: list[str], log: Path) -> None:  # records the command; writes what a finished run leaves
+        calls.append(args)
+        run = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        stage = "sft" if "stages=[sft]" in args else "opd"
+        for step in (1, 2):
+            (run / "checkpoints" / stage / f"step_{step}" / "draft").mkdir(parents=True)
+        (run / "checkpoints" / stage / "latest").write_text("step_2\n")
+
+    monkeypatch.setattr(mod, "sh", fake_sh)
+    return mod, calls
+
+
+def run(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["study.py", *argv])
+    mod.main()
+
+
+def test_plateau_overrides_reach_every_arm(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mod, calls = study
+    common = ("--kind", "standalone", "--name", "s6")
+    run(
+        mod,
+        monkeypatch,
+        "plateau",
+        *common,
+        "--tokens",
+        "4000",
+        "--doublings",
+        "1",
+        "--set",
+        "draft.num_layers=6",
+    )
+    (plateau_cmd,) = calls
+    assert "draft=standalone" in plateau_cmd and "draft.num_layers=6" in plateau_cmd
+    assert "sft.curve_tokens=[2000]" in plateau_cmd and "sft.train_tokens=4000" in plateau_cmd
+    info = json.loads(Path("runs/study/s6/plateau/plateau.json").read_text())
+    assert info["overrides"] == ["draft.num_layers=6"]
+    assert info["branch"].endswith("checkpoints/sft/step_2/draft")
+
+    run(
+        mod,
+        monkeypatch,
+        "arms",
+        *common,
+        "--arms",
+        "opd,fkl",
+        "--steps",
+        "3",
+        "--set",
+        "rollout.max_new_tokens=64",
+    )
+    opd_cmd, fkl_cmd = calls[1:]
+    for cmd in (opd_cmd, fkl_cmd):
+        assert "draft.num_layers=6" in cmd and "rollout.max_new_tokens=64" in cmd
+        assert f"draft.path={info['branch']}" in cmd and "opd.steps=3" in cmd and "seed=0" in cmd
+    assert "algorithm=forward_kl" in fkl_cmd and "algorithm=forward_kl" not in opd_cmd
+    # the arm's own override comes after the plateau's: Hydra's last value wins
+    assert opd_cmd.index("draft.num_layers=6") < opd_cmd.index("rollout.max_new_tokens=64")
+
+
+def test_arms_before_a_plateau_is_one_clear_error(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mod, calls = study
+    with pytest.raises(SystemExit, match="run `python bench/study.py plateau` for this study first"):
+        run(mod, monkeypatch, "arms", "--name", "nothing_here")
+    assert calls == []
