@@ -131,6 +131,11 @@ def plateau(args: argparse.Namespace) -> None:
             ),
             run / "sft.log",
         )
+    else:  # trained before: its overrides are what the checkpoints were made with
+        saved = _plateau_info(study(args)).get("overrides", []) if (run / "plateau.json").is_file() else []
+        if args.set and args.set != saved:
+            raise SystemExit(f"{run} was trained with --set {saved}, not {args.set}: use another --name")
+        args.set = saved
     drafts = checkpoints(run, "sft")
     info = {"branch": str(drafts[-1]), "overrides": args.set}
     (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -170,11 +175,6 @@ def branch_point(args: argparse.Namespace) -> Path:
     return Path(_plateau_info(study(args))["branch"])
 
 
-def plateau_overrides(args: argparse.Namespace) -> list[str]:
-    """The plateau's own ``--set`` overrides (e.g. ``draft.num_layers=6``): every arm runs with them."""
-    return list(_plateau_info(study(args)).get("overrides", []))
-
-
 def adopt(args: argparse.Namespace) -> None:
     """Take a finished ``stages=[sft,opd,...]`` run (e.g. the default `make run`) into a study: its SFT export is
     the branch point and its Draft-OPD run the ``opd`` arm of ``--seed`` (copied). The same arm from scratch:
@@ -212,15 +212,17 @@ def final_draft(run: Path) -> Path | None:
 
 
 def arms(args: argparse.Namespace) -> None:
-    branch = branch_point(args)
+    info = _plateau_info(study(args))
+    branch = Path(info["branch"])
+    # the plateau's own --set overrides (e.g. draft.num_layers=6) first: every arm runs with them
+    common = [f"draft={args.kind}", *info.get("overrides", []), *args.set]
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in args.arms.split(","):
             run = arm_dir(args, arm, seed)
             if final_draft(run) is not None:
                 print(f"[arms] {run}: done")
                 continue
-            extra = [f"draft={args.kind}", *plateau_overrides(args), *args.set]
-            extra += [f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
+            extra = [*common, f"seed={seed}", f"opd.steps={args.steps}", *ARMS[arm]]
             if arm == "sft":
                 opd = arm_dir(args, "opd", seed)
                 if final_draft(opd) is None:

@@ -63,6 +63,14 @@ def test_plateau_overrides_reach_every_arm(
     info = json.loads(Path("runs/study/s6/plateau/plateau.json").read_text())
     assert info["overrides"] == ["draft.num_layers=6"]
     assert info["branch"].endswith("checkpoints/sft/step_2/draft")
+    # a rerun finds the plateau trained: it keeps the overrides the checkpoints were made with
+    run(mod, monkeypatch, "plateau", *common)
+    assert len(calls) == 1
+    assert json.loads(Path("runs/study/s6/plateau/plateau.json").read_text())["overrides"] == [
+        "draft.num_layers=6"
+    ]
+    with pytest.raises(SystemExit, match="was trained with --set"):
+        run(mod, monkeypatch, "plateau", *common, "--set", "draft.num_layers=4")
 
     run(
         mod,
