@@ -169,15 +169,22 @@ def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k).load_draft_weights({}, 1)
 
 
-def test_sft_soft_labels_are_the_replays_teacher(replay_case) -> None:
-    """One `teacher` setting feeds both arms: with the default (top-16 over the draft vocabulary, `auto`
-    precision) the replay's teacher at an anchor's accepted positions, which lie on the sequence itself, is SFT's
-    soft label at the same position of the same sequence (SFT renormalises its top-k)."""
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> None:
+    """One `teacher` setting feeds both arms: with the default truncation (top-16 over the draft vocabulary) the
+    replay's teacher at an anchor's accepted positions, which lie on the sequence itself, is SFT's soft label at
+    the same position of the same sequence (SFT renormalises its top-k). In float32 the two forwards (the replay's
+    sequence + branches, SFT's sequence) agree to rounding, so the top-k ids are equal; at the default `auto`
+    precision (bfloat16 on a CPU with AVX512-BF16 or AMX, on a GPU) they agree up to near-ties that bfloat16
+    cannot order: the same top-1, the same ids but for the tail, probabilities within bfloat16's resolution."""
     from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.device import resolve_dtype
     from draft_opd_ray.opd.actors import replay_teacher
     from draft_opd_ray.sft.features import forward_dtype, load_hf_target, target_features
 
     c, cfg = replay_case, Config()
+    cfg.teacher = dataclasses.replace(cfg.teacher, dtype=dtype)
+    exact = resolve_dtype(dtype) == "float32"
     draft_ids = list(range(0, c.model.config.vocab_size, 3))
     kept = cfg.teacher.kept(len(draft_ids))
     assert (
@@ -186,6 +193,7 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case) -> None:
     replay = ReplayActor(
         str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=draft_ids, k=c.k, **replay_teacher(cfg)
     )
+    assert getattr(torch, replay_teacher(cfg)["dtype"]) == forward_dtype(cfg.teacher.dtype)
     (t,) = replay.score([c.item])
     hf = load_hf_target(c.target, forward_dtype(cfg.teacher.dtype))
     with torch.no_grad():
@@ -197,7 +205,18 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case) -> None:
     compared = 0
     for j, (n, a) in enumerate(zip(c.item.anchor_pos, c.item.accepted)):
         for k in range(1, min(a + 1, int(t.valid_len[j])) + 1):  # p_k on the stream: row n + k - 1
-            assert torch.equal(t.teacher_topk_ids[j, k - 1], ids[n + k - 1]), (j, k)
-            torch.testing.assert_close(torch.softmax(t.teacher_topk_logprobs[j, k - 1], -1), p[n + k - 1])
+            mine, theirs = t.teacher_topk_ids[j, k - 1], ids[n + k - 1]
+            q, ref = torch.softmax(t.teacher_topk_logprobs[j, k - 1].float(), -1), p[n + k - 1].float()
+            if exact:
+                assert torch.equal(mine, theirs), (j, k)
+                torch.testing.assert_close(q, ref)
+            else:
+                assert mine[0] == theirs[0], (j, k)
+                common = sorted(set(mine.tolist()) & set(theirs.tolist()))
+                assert len(common) >= kept - 2, (j, k, mine, theirs)
+                at = {int(i): x for i, x in zip(mine, q)}
+                ref_at = {int(i): x for i, x in zip(theirs, ref)}
+                for i in common:
+                    torch.testing.assert_close(at[i], ref_at[i], atol=1e-2, rtol=5e-2)
             compared += 1
     assert compared == sum(min(a + 1, c.k) for a in c.item.accepted)  # a block of K: at most K positions
