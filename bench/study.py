@@ -72,7 +72,10 @@ def sh(args: list[str], log: Path) -> None:
 
 
 def main_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "draft_opd_ray.main", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
+    """The run's command line: COMMON, less any key the overrides set themselves (one value per key on it)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    common = [c for c in COMMON if c.split("=", 1)[0] not in keys]
+    return [sys.executable, "-m", "draft_opd_ray.main", *common, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def checkpoints(run_dir: Path, stage: str) -> list[Path]:
@@ -193,7 +196,18 @@ def adopt(args: argparse.Namespace) -> None:
     info = study(args) / "plateau" / "plateau.json"
     info.parent.mkdir(parents=True, exist_ok=True)
     branch = dest / sft[-1].relative_to(run)
-    info.write_text(json.dumps({"branch": str(branch), "adopted_from": str(run)}, indent=2) + "\n")
+    # the answers its warm start was trained on: the arms continue on the same ones (`auto` resolved here, as in the
+    # run, which is why an adopted study's arms run on a machine of the adopted run's kind)
+    from omegaconf import OmegaConf
+
+    from draft_opd_ray.device import resolve_dtype
+
+    made = OmegaConf.load(run / ".hydra" / "config.yaml")
+    answers = resolve_dtype(str(OmegaConf.select(made, "sft.trajectory_dtype", default="auto")))
+    overrides = [f"sft.trajectory_dtype={answers}"]
+    info.write_text(
+        json.dumps({"branch": str(branch), "adopted_from": str(run), "overrides": overrides}, indent=2) + "\n"
+    )
     print(f"[adopt] branch point {branch}; opd arm (seed {args.seed}) {dest}")
 
 

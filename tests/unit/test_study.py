@@ -100,3 +100,23 @@ def test_arms_before_a_plateau_is_one_clear_error(
     with pytest.raises(SystemExit, match="run `python bench/study.py plateau` for this study first"):
         run(mod, monkeypatch, "arms", "--name", "nothing_here")
     assert calls == []
+
+
+def test_adopted_run_keeps_its_answers_precision(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An adopted default run trained its warm start on answers at `auto` precision (bfloat16 on a CPU with
+    AVX512-BF16): the arms continue on those answers, not on the study's float32 ones."""
+    mod, calls = study
+    made = tmp_path / "made"
+    for stage in ("sft", "opd"):
+        (made / "checkpoints" / stage / "step_1" / "draft").mkdir(parents=True)
+    (made / ".hydra").mkdir()
+    (made / ".hydra" / "config.yaml").write_text("sft:\n  trajectory_dtype: bfloat16\n")
+    run(mod, monkeypatch, "adopt", str(made), "--name", "short")
+    info = json.loads(Path("runs/study/short/plateau/plateau.json").read_text())
+    assert info["overrides"] == ["sft.trajectory_dtype=bfloat16"]
+    run(mod, monkeypatch, "arms", "--name", "short", "--arms", "fkl", "--steps", "2")
+    (cmd,) = calls
+    assert "sft.trajectory_dtype=bfloat16" in cmd and "sft.trajectory_dtype=float32" not in cmd
+    assert "sft.num_prompts=768" in cmd  # the rest of COMMON stays
