@@ -5,9 +5,9 @@ cache, filled here (vLLM's generation has its own tests).
 
 Data: 6 answers of different lengths in batches of 3, 2 and 1 sequences (uneven shares, and a rank with no
 sequence of its own), 2 epochs = 6 steps. Tolerance (float32): loss and metrics rel 1e-5; weights within
-2e-6 (6 AdamW steps of lr 3e-3 move a weight by up to ~2e-2; the ranks' gradients add up in another order than
+5e-6 (6 AdamW steps of lr 3e-3 move a weight by up to ~2e-2; the ranks' gradients add up in another order than
 one rank's, and AdamW divides by the root of their squares, so a near-zero gradient component can differ by
-more than rounding).
+more than rounding: measured max 2.1e-6 on a CPU with AVX512/AMX kernels, under 2e-6 on AVX2).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from draft_opd_ray.config.schema import (
     LearnerConfig,
     OptimConfig,
     SFTConfig,
+    TeacherConfig,
 )
 from draft_opd_ray.metrics import MetricsLogger, read_metrics
 
@@ -80,6 +81,8 @@ def _config(tmp: Path, target: Path, ranks: int) -> Config:
         ),
         optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
         learner=LearnerConfig(zero_stage=0, dtype="float32", backend="gloo"),
+        # float32 everywhere: `auto` is bfloat16 on an AVX512-BF16/AMX CPU
+        teacher=TeacherConfig(dtype="float32"),
     )
 
 
@@ -156,4 +159,4 @@ def test_two_ranks_train_the_draft_one_rank_does(ray_local: None, tiny_target: P
     w1, w2 = _weights(one), _weights(two)
     assert w1.keys() == w2.keys()
     diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1 if w1[k].is_floating_point())
-    assert diff <= 2e-6, diff
+    assert diff <= 5e-6, diff
