@@ -327,6 +327,8 @@ def _compare_all(args: argparse.Namespace, sets: list[str]) -> None:
 
     arms_dir = study(args) / "arms"
     reported = sorted(str(p) for p in arms_dir.glob("*_s*") if (p / "eval" / "report.json").is_file())
+    if not reported:  # the plateau's curve alone (no arm run yet)
+        return
     for s in sets:
         have = [
             r for r in reported if s in json.loads((Path(r) / "eval" / "report.json").read_text())["datasets"]
