@@ -147,22 +147,33 @@ def plateau(args: argparse.Namespace) -> None:
 
 def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
     """eval/curve.json of the plateau run (validation tau of every export) and the rule's verdict."""
+    from draft_opd_ray.eval.stats import paired_diff
+
     run = root / "plateau"
-    curve = []
+    curve: list[dict[str, Any]] = []
+    prev: dict[str, Any] | None = None
     for d in checkpoints(run, "sft"):
         e = taus[str(d)]
         curve.append(
             {"draft": str(d), "flops": training_flops(d), "tau": e["tau"], "tau_ci": e["tau_ci"], "n": e["n"]}
         )
+        if prev is not None:  # this doubling's gain, paired per prompt (the rule reads the pooled gain)
+            curve[-1]["paired_prev"] = paired_diff(e["per_prompt"], prev["per_prompt"])
+        prev = e
     gain = curve[-1]["tau"] - curve[-2]["tau"] if len(curve) > 1 else math.nan
     verdict = {"plateaued": bool(gain < 0.02), "last_doubling_gain": gain, "rule": "gain < +0.02 tau"}
+    if len(curve) > 1:
+        verdict["last_doubling_paired"] = curve[-1]["paired_prev"]
     (run / "eval").mkdir(parents=True, exist_ok=True)
     (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
     info = {**_plateau_info(root), "branch": curve[-1]["draft"], **verdict}
     (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     for c in curve:
+        p = c.get("paired_prev")
+        step = f"; paired vs the export before {p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" if p else ""
         print(
             f"[plateau] {c['flops']:.3g} FLOPs: tau {c['tau']:.3f} [{c['tau_ci'][0]:.3f}, {c['tau_ci'][1]:.3f}]"
+            + step
         )
     print(f"[plateau] last doubling {gain:+.3f}: {'plateaued' if verdict['plateaued'] else 'NOT plateaued'}")
 

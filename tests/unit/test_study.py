@@ -120,3 +120,37 @@ def test_adopted_run_keeps_its_answers_precision(
     (cmd,) = calls
     assert "sft.trajectory_dtype=bfloat16" in cmd and "sft.trajectory_dtype=float32" not in cmd
     assert "sft.num_prompts=768" in cmd  # the rest of COMMON stays
+
+
+def test_plateau_curve_rule_and_paired_gain(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule reads the pooled gain of the last doubling (< +0.02 tau: plateaued); each export also carries its
+    per-prompt gain over the export before it, with a CI."""
+    import torch
+
+    mod, _ = study
+    root = Path("runs/study/s")
+    run(mod, monkeypatch, "plateau", "--name", "s", "--tokens", "4000", "--doublings", "1")
+    drafts = mod.checkpoints(root / "plateau", "sft")
+    for i, d in enumerate(drafts):
+        torch.save(
+            {"flops": {"flops_draft": 1e12 * (i + 1), "flops_target": 0.0}}, d.parent / "training_state.pt"
+        )
+
+    def entry(acc: list[int]) -> dict[str, object]:  # tau = 1 + accepted / steps, 10 steps a prompt
+        per = [{"accepted": a, "steps": 10} for a in acc]
+        tau = 1 + sum(acc) / (10 * len(acc))
+        return {"tau": tau, "tau_ci": [tau - 0.1, tau + 0.1], "n": len(acc), "per_prompt": per}
+
+    first, last = entry([3, 4, 5, 6] * 5), entry([4, 5, 6, 7] * 5)  # +0.1 on every prompt
+    mod.plateau_curve(root, {str(drafts[0]): first, str(drafts[1]): last})
+    info = json.loads((root / "plateau" / "plateau.json").read_text())
+    assert info["plateaued"] is False and info["last_doubling_gain"] == pytest.approx(0.1)
+    paired = info["last_doubling_paired"]
+    assert paired["mean"] == pytest.approx(0.1) and paired["lo"] == pytest.approx(0.1) and paired["n"] == 20
+    curve = json.loads((root / "plateau" / "eval" / "curve.json").read_text())
+    assert "paired_prev" not in curve[0] and curve[1]["paired_prev"]["share_better"] == 1.0
+
+    mod.plateau_curve(root, {str(drafts[0]): first, str(drafts[1]): entry([3, 4, 5, 6] * 5)})
+    assert json.loads((root / "plateau" / "plateau.json").read_text())["plateaued"] is True
