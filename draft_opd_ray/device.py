@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,3 +40,10 @@ def actor_device() -> torch.device:
     import torch
 
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def node_threads(reserved: int = 0, sharers: int = 1) -> int:
+    """Torch threads for one of ``sharers`` actors that work at the same time on this node, beside ``reserved``
+    cores that are bound to other work (CPU vLLM engines): at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, (cores - reserved) // max(1, sharers))

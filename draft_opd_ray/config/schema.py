@@ -51,6 +51,11 @@ class ClusterConfig:
     reserve_timeout_s: float = 60.0  # placing the plan's actors (a plan that cannot fit fails after this)
     actor_timeout_s: float = 1800.0  # any one wait on an actor (a round, a step, a refit): longer is a hang
     max_restarts: int = 3  # per rollout worker / replay actor killed mid-run (its lost work is redone)
+    # CPU clusters, torch threads of the replay actors and learner ranks. "auto": a replay actor (it runs while
+    # the engines generate the next rounds) the cores of its node no engine is bound to, a learner rank (it runs
+    # once they are mostly done) all of them, each split between the actors of its role on the node; "one": one
+    # thread each, as earlier versions ran (docs/design.md, "Roles and placement")
+    cpu_threads: str = "auto"
     # A directory every node mounts at the same path (NFS, Lustre, ...): the run dir, the cache and the
     # checkpoints live under it. Required when num_nodes > 1; cache_dir then defaults to <storage_dir>/cache.
     storage_dir: str | None = None
@@ -72,6 +77,7 @@ class ClusterConfig:
             f"{k}.storage_dir",
             f"must be an absolute path (every node resolves it alike), got {self.storage_dir!r}",
         )
+        _one_of(self.cpu_threads, f"{k}.cpu_threads", ("auto", "one"))
         _check(self.num_nodes >= 1, f"{k}.num_nodes", f"must be >= 1, got {self.num_nodes}")
         _check(self.max_restarts >= 0, f"{k}.max_restarts", f"must be >= 0, got {self.max_restarts}")
         _check(self.gpus_per_node >= 0, f"{k}.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")

@@ -28,7 +28,7 @@ from draft_opd_ray.opd.batch import (
     learner_cost,
     replay_cost,
 )
-from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, PlacementPlan
+from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, ActorSlot, PlacementPlan
 from draft_opd_ray.waits import wait_for, when_back
 
 
@@ -224,7 +224,10 @@ def start_actors(
     cpu = cfg.cluster.gpus_per_node == 0
     workers = _rollout_workers(cfg, plan, target, draft_dir, opts, cpu)
     replay = ReplayGroup(
-        [_replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu) for s in plan.of(REPLAY)],
+        [
+            _replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu_share(cfg, plan, s))
+            for s in plan.of(REPLAY)
+        ],
         max_restarts=cfg.cluster.max_restarts,
     )
     ranks, world = _learner_ranks(cfg, plan, target, draft_dir, total_updates, opts, cpu)
@@ -275,7 +278,23 @@ def replay_teacher(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, Any], cpu: bool) -> Any:
+def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, int] | None:
+    """(reserved cores, sharers) for a replay actor's or learner rank's torch threads on a CPU cluster
+    (`cluster.cpu_threads`, `device.node_threads`); None: one thread (`one`) or not a CPU cluster.
+
+    The replay runs while the engines generate the next rounds, so it keeps off the cores they are bound to
+    (one each); the learner runs once they are mostly done (docs/LOG.md: on 2 cores the next round is ready long
+    before the replay ends) and takes every core. The actors of a role on one node work at once and split them."""
+    if cfg.cluster.gpus_per_node > 0 or cfg.cluster.cpu_threads == "one":
+        return None
+    same_node = [s for s in plan.of(slot.role) if s.node == slot.node]
+    engines = sum(s.node == slot.node for s in plan.of(ROLLOUT)) if slot.role == REPLAY else 0
+    return engines, len(same_node)
+
+
+def _replay_actor(
+    cfg: Config, target: str, draft_dir: str, options: dict[str, Any], share: tuple[int, int] | None
+) -> Any:
     import ray
 
     from draft_opd_ray.opd.replay import ReplayActor
@@ -290,7 +309,8 @@ def _replay_actor(cfg: Config, target: str, draft_dir: str, options: dict[str, A
             aux_layer_ids=feature_ids,
             draft_ids=draft_ids,
             k=cfg.draft.num_speculative_tokens,
-            num_threads=1 if cpu else None,
+            num_threads=1 if cfg.cluster.gpus_per_node == 0 else None,
+            cpu_share=share,
             **replay_teacher(cfg),
             teacher=cfg.loss.objective == "opd",
             mode=cfg.replay.mode,
@@ -327,13 +347,26 @@ def _learner_ranks(
         num_threads=1 if cpu else None,
         backend=cfg.learner.backend,
     )
-    n = len(plan.of(LEARNER))
-    ranks = start_learner_ranks(n, lambda r: opts(LEARNER, r), draft_dir, target, **settings)
+    slots = plan.of(LEARNER)
+    n = len(slots)
+    ranks = start_learner_ranks(
+        n,
+        lambda r: opts(LEARNER, r),
+        draft_dir,
+        target,
+        **settings,
+        cpu_shares=[cpu_share(cfg, plan, s) for s in slots],
+    )
     return ranks, n
 
 
 def start_learner_ranks(
-    n: int, options: Callable[[int], dict[str, Any]], draft_dir: str, target: str, **settings: Any
+    n: int,
+    options: Callable[[int], dict[str, Any]],
+    draft_dir: str,
+    target: str,
+    cpu_shares: Sequence[tuple[int, int] | None] | None = None,
+    **settings: Any,
 ) -> list[Any]:
     """``n`` `Learner` actors forming one data-parallel group (``settings``: the Learner's keywords). A task in
     rank 0's bundle finds a free port on its node; every rank then joins there (DeepSpeed's process group forms
@@ -353,7 +386,15 @@ def start_learner_ranks(
     ranks = [
         ray.remote(Learner)
         .options(**options(r))
-        .remote(draft_dir, target, **settings, rank=r, world_size=n, master=master)
+        .remote(
+            draft_dir,
+            target,
+            **settings,
+            rank=r,
+            world_size=n,
+            master=master,
+            cpu_share=cpu_shares[r] if cpu_shares else None,
+        )
         for r in range(n)
     ]
     sizes = wait_for([r.world_size.remote() for r in ranks], f"learner ranks: form a group of {n}")  # type: ignore[attr-defined]

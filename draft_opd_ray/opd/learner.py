@@ -27,7 +27,7 @@ from draft_opd_ray.algo.loss import (
     objective_terms,
     sft_terms,
 )
-from draft_opd_ray.device import actor_device
+from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
 from draft_opd_ray.optim import build_engine, trainable_parameters, update_lr_factor
@@ -79,15 +79,20 @@ class Learner:
         rank: int = 0,
         world_size: int = 1,
         master: tuple[str, int] | None = None,
+        cpu_share: tuple[int, int] | None = None,
     ) -> None:
         """``dtype``: the resolved `learner.dtype`; ``total_steps``: optimizer updates of the whole run.
         ``rank`` / ``world_size`` / ``master``: this rank of a data-parallel group of ``world_size`` learner
-        actors meeting at rank 0's ``master`` (address, port); one rank needs none."""
+        actors meeting at rank 0's ``master`` (address, port); one rank needs none. ``cpu_share`` (reserved
+        cores, sharers) sets the threads from this node's cores instead of ``num_threads``
+        (`device.node_threads`)."""
         from draft_opd_ray.opd.students import make_student
 
         if objective not in ("opd", "sft_on_rollouts"):
             raise ValueError(f"objective must be 'opd' or 'sft_on_rollouts', got {objective!r}")
-        if num_threads:
+        if cpu_share is not None:
+            torch.set_num_threads(node_threads(*cpu_share))
+        elif num_threads:
             torch.set_num_threads(num_threads)
         init_process_group(backend, rank=rank, world_size=world_size, master=master)
         self.device = actor_device()

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draft_opd_ray.device import actor_device
+from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, pack_branches
 from draft_opd_ray.opd.refit import RefitAck
 
@@ -46,12 +46,14 @@ class ReplayActor:
         mode: str = "recorded",
         draft_kind: str | None = None,
         draft_dir: str | None = None,
+        cpu_share: tuple[int, int] | None = None,
     ) -> None:
         """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
         "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk).
         mode "redraft" needs the draft (``draft_kind``, ``draft_dir``) and takes its later versions through
         ``load_draft_weights_file`` / ``load_draft_weights``. ``teacher=False`` (`loss.objective=sft_on_rollouts`)
-        ships only the target features: no teacher distribution is computed."""
+        ships only the target features: no teacher distribution is computed. ``cpu_share`` (reserved cores,
+        sharers) sets the threads from this node's cores instead of ``num_threads`` (`device.node_threads`)."""
         if payload not in ("full", "topk"):
             raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
         if mode not in ("recorded", "redraft"):
@@ -69,7 +71,9 @@ class ReplayActor:
             self.student.model.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
-        if num_threads:
+        if cpu_share is not None:
+            torch.set_num_threads(node_threads(*cpu_share))
+        elif num_threads:
             torch.set_num_threads(num_threads)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]

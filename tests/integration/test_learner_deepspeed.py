@@ -145,3 +145,21 @@ def test_a_non_finite_update_applies_nothing_and_the_next_good_one_steps(replay_
     assert "skipped" not in out and out["nonfinite_updates"] == 0.0 and learner.version == 1
     assert all(torch.isfinite(v).all() for v in learner.rollout_state().values())
     assert any(not torch.equal(before[k], v) for k, v in learner.rollout_state().items())
+
+
+def test_replay_and_learner_take_their_cpu_share(replay_case) -> None:
+    """`cpu_share` (reserved cores, sharers: `opd/actors.py: cpu_share`) sets the actor's torch threads."""
+    from draft_opd_ray.device import node_threads
+
+    c = replay_case
+    cores = node_threads()
+    try:
+        c.replay("eagle3", c.eagle3, cpu_share=(cores, 1))
+        assert torch.get_num_threads() == 1  # every core reserved for engines: one thread
+        c.replay("eagle3", c.eagle3, cpu_share=(0, 1))
+        assert torch.get_num_threads() == cores
+        torch.set_num_threads(1)
+        _learner(c.eagle3, c.target, cpu_share=(0, 2))
+        assert torch.get_num_threads() == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(1)

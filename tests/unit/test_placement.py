@@ -112,3 +112,29 @@ def test_shares_fill_the_fullest_gpu_that_fits() -> None:
 def test_gpu_shares_are_checked(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         compose([override])
+
+
+def test_cpu_threads_of_replay_and_learner() -> None:
+    """`cluster.cpu_threads=auto`: a replay actor keeps off the cores its node's engines are bound to, a learner
+    rank takes them all, each split between the actors of its role on the node; `one` and GPU clusters: None."""
+    from draft_opd_ray.device import node_threads
+    from draft_opd_ray.opd.actors import cpu_share
+
+    cfg = compose([])
+    plan = plan_for(cfg)
+    (replay,), (learner,) = plan.of("replay"), plan.of("learner")
+    assert cpu_share(cfg, plan, replay) == (cfg.cluster.rollout_engines, 1)
+    assert cpu_share(cfg, plan, learner) == (0, 1)
+    two = compose(["+cluster=cpu_2node"])
+    plan2 = plan_for(two)
+    for s in plan2.of("replay"):
+        assert cpu_share(two, plan2, s) == (2, 2)  # both engines and both replay actors sit on node 0
+    for s in plan2.of("learner"):
+        assert cpu_share(two, plan2, s) == (0, 2)
+    one = compose(["cluster.cpu_threads=one"])
+    assert cpu_share(one, plan_for(one), replay) is None
+    gpu = compose(["+cluster=8xA100"])
+    assert all(cpu_share(gpu, plan_for(gpu), s) is None for s in plan_for(gpu).of("learner"))
+    cores = node_threads()
+    assert cores >= 1 and node_threads(reserved=cores) == 1 == node_threads(reserved=cores + 5)
+    assert node_threads(sharers=2) == max(1, cores // 2)
