@@ -39,6 +39,7 @@ bench: setup
 	$(PY) bench/bench_loss_memory.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_weight_sync.py
+	$(PY) bench/bench_threads.py
 
 dry-run: setup
 	$(PY) -m draft_opd_ray.main +cluster=8xA100 dry_run=true
