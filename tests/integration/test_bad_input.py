@@ -143,6 +143,7 @@ CASES = [
         "16 GPUs per engine do not fit a node of 8",
     ),
     Case(("cluster.cpus_per_rollout=1.5",), "cannot place"),
+    Case(("cluster.cpu_threads=many",), "cluster.cpu_threads: must be one of ['auto', 'one'], got 'many'"),
     Case(("+cluster=cpu_2node", "cluster.storage_dir=null"), "cluster.storage_dir: a 2-node cluster needs"),
     # --- data files ---
     Case(("data=jsonl", "data.train.path=nope.jsonl"), "data.train.path: file not found: nope.jsonl"),
