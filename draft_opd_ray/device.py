@@ -1,4 +1,4 @@
-"""What the local hardware does fast, for defaults that depend on it."""
+"""What the local hardware does fast, and how many CPU threads an actor takes, for defaults that depend on it."""
 
 from __future__ import annotations
 
