@@ -42,8 +42,12 @@ def actor_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def node_threads(reserved: int = 0, sharers: int = 1) -> int:
     """Torch threads for one of ``sharers`` actors that work at the same time on this node, beside ``reserved``
     cores that are bound to other work (CPU vLLM engines): at least one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, (cores - reserved) // max(1, sharers))
+    return max(1, (usable_cores() - reserved) // max(1, sharers))

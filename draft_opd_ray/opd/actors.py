@@ -287,9 +287,9 @@ def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, i
     before the replay ends) and takes every core. The actors of a role on one node work at once and split them."""
     if cfg.cluster.gpus_per_node > 0 or cfg.cluster.cpu_threads == "one":
         return None
-    same_node = [s for s in plan.of(slot.role) if s.node == slot.node]
+    sharers = sum(s.node == slot.node for s in plan.of(slot.role))
     engines = sum(s.node == slot.node for s in plan.of(ROLLOUT)) if slot.role == REPLAY else 0
-    return engines, len(same_node)
+    return engines, sharers
 
 
 def _replay_actor(

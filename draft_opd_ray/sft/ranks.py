@@ -14,7 +14,6 @@ each rank takes its node's cores divided by the ranks on that node.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,8 +44,9 @@ class SFTRank:
         """(Ray node id, usable cores of this process) where the rank runs."""
         import ray
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return str(ray.get_runtime_context().get_node_id()), cores
+        from draft_opd_ray.device import usable_cores
+
+        return str(ray.get_runtime_context().get_node_id()), usable_cores()
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address for the group."""
