@@ -65,10 +65,22 @@ def study(args: argparse.Namespace) -> Path:
 def sh(args: list[str], log: Path) -> None:
     print("+", " ".join(args), flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
+    with log.open("a") as f:  # a resumed run's output follows the interrupted one's
+        f.write("+ " + " ".join(args) + "\n")
+        f.flush()
         r = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
         raise SystemExit(f"failed ({r.returncode}), see {log}")
+
+
+def run_or_resume(run_dir: Path, overrides: list[str], log: Path) -> None:
+    """Run ``main`` into ``run_dir``, or, where an earlier try left a complete checkpoint there (a session that
+    stopped mid-run), continue it with ``resume=`` (its own config, from that checkpoint: docs/reliability.md)."""
+    if any((run_dir / "checkpoints").glob("*/latest")):
+        print(f"[study] {run_dir}: resuming from its last checkpoint", flush=True)
+        sh([sys.executable, "-m", "draft_opd_ray.main", f"resume={run_dir}"], log)
+    else:
+        sh(main_cmd(run_dir, overrides), log)
 
 
 def main_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -120,22 +132,17 @@ def plateau(args: argparse.Namespace) -> None:
     run = study(args) / "plateau"
     budget = args.tokens
     marks = [budget >> i for i in range(args.doublings, 0, -1)]
-    if not checkpoints(run, "sft") or not (run / "checkpoints" / "sft" / "latest").exists():
-        sh(
-            main_cmd(
-                run,
-                [
-                    "stages=[sft]",
-                    f"draft={args.kind}",
-                    f"sft.train_tokens={budget}",
-                    f"sft.curve_tokens=[{','.join(map(str, marks))}]",
-                    *args.set,
-                ],
-            ),
-            run / "sft.log",
-        )
+    if not (run / "plateau.json").is_file():  # written once the training has finished
+        overrides = [
+            "stages=[sft]",
+            f"draft={args.kind}",
+            f"sft.train_tokens={budget}",
+            f"sft.curve_tokens=[{','.join(map(str, marks))}]",
+            *args.set,
+        ]
+        run_or_resume(run, overrides, run / "sft.log")
     else:  # trained before: its overrides are what the checkpoints were made with
-        saved = _plateau_info(study(args)).get("overrides", []) if (run / "plateau.json").is_file() else []
+        saved = _plateau_info(study(args)).get("overrides", [])
         if args.set and args.set != saved:
             raise SystemExit(f"{run} was trained with --set {saved}, not {args.set}: use another --name")
         args.set = saved
@@ -230,6 +237,10 @@ def arm_dir(args: argparse.Namespace, arm: str, seed: int) -> Path:
 
 
 def final_draft(run: Path) -> Path | None:
+    """The arm's last draft once the arm has finished (its ``arm`` file, written when the run exited cleanly);
+    None for an arm not run or stopped mid-run (its checkpoints are where `arms` resumes it)."""
+    if not (run / "arm").is_file():
+        return None
     for stage in ("opd", "sft"):
         if (run / "checkpoints" / stage / "latest").exists():
             return checkpoints(run, stage)[-1]
@@ -262,7 +273,7 @@ def arms(args: argparse.Namespace) -> None:
                 ]
             else:
                 extra += [f"draft.path={branch}"]
-            sh(main_cmd(run, extra), run / "arm.log")
+            run_or_resume(run, extra, run / "arm.log")
             (run / "arm").write_text(arm + "\n")
 
 

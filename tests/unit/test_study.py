@@ -25,10 +25,10 @@ def study(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[ModuleType, 
 
     def fake_sh(args: list[str], log: Path) -> None:  # records the command; writes what a finished run leaves
         calls.append(args)
-        run = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
-        stage = "sft" if "stages=[sft]" in args else "opd"
+        run = Path(next(a for a in args if a.startswith(("hydra.run.dir=", "resume="))).split("=", 1)[1])
+        stage = "sft" if "stages=[sft]" in args or "plateau" in run.parts else "opd"
         for step in (1, 2):
-            (run / "checkpoints" / stage / f"step_{step}" / "draft").mkdir(parents=True)
+            (run / "checkpoints" / stage / f"step_{step}" / "draft").mkdir(parents=True, exist_ok=True)
         (run / "checkpoints" / stage / "latest").write_text("step_2\n")
 
     monkeypatch.setattr(mod, "sh", fake_sh)
@@ -154,3 +154,33 @@ def test_plateau_curve_rule_and_paired_gain(
 
     mod.plateau_curve(root, {str(drafts[0]): first, str(drafts[1]): entry([3, 4, 5, 6] * 5)})
     assert json.loads((root / "plateau" / "plateau.json").read_text())["plateaued"] is True
+
+
+def test_a_run_stopped_midway_is_resumed_not_taken_as_done(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that stops mid-run leaves checkpoints but no finished marker (the plateau's plateau.json, the arm's
+    `arm` file): the same command continues that run with `resume=`, and only a finished arm is measured or
+    matched in FLOPs."""
+    mod, calls = study
+    monkeypatch.setattr(mod, "training_flops", lambda ckpt: 1e12)  # the finished opd arm's, for the sft arm
+    plateau = Path("runs/study/s/plateau")
+    (plateau / "checkpoints" / "sft" / "step_1" / "draft").mkdir(parents=True)
+    (plateau / "checkpoints" / "sft" / "latest").write_text("step_1\n")
+    run(mod, monkeypatch, "plateau", "--name", "s", "--tokens", "4000", "--doublings", "1")
+    assert calls[-1][-1] == f"resume={plateau}" and len(calls) == 1
+    assert json.loads((plateau / "plateau.json").read_text())["branch"].endswith("sft/step_2/draft")
+
+    opd = Path("runs/study/s/arms/opd_s0")
+    (opd / "checkpoints" / "opd" / "step_1" / "draft").mkdir(parents=True)
+    (opd / "checkpoints" / "opd" / "latest").write_text("step_1\n")
+    assert mod.final_draft(opd) is None  # stopped mid-run: not a finished arm
+    with pytest.raises(SystemExit, match="run the opd arm first"):
+        run(mod, monkeypatch, "arms", "--name", "s", "--arms", "sft")
+    run(mod, monkeypatch, "arms", "--name", "s", "--arms", "opd,sft", "--steps", "2")
+    resumed, sft = calls[1:]
+    assert resumed[-1] == f"resume={opd}" and len(resumed) == 4  # python -m draft_opd_ray.main resume=...
+    assert (opd / "arm").read_text() == "opd\n" and str(mod.final_draft(opd)).endswith("opd/step_2/draft")
+    assert "stages=[sft]" in sft and "sft.max_flops=1000000000000.0" in sft
+    run(mod, monkeypatch, "arms", "--name", "s", "--arms", "opd,sft", "--steps", "2")
+    assert len(calls) == 3  # both finished: nothing re-run

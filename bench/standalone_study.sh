@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The standalone study (docs/results.md) as one chain: plateau, its curve, arms (a)-(b) for seeds 0 and 1,
+# (c)-(f) for seed 0, then one evaluation of every arm. Run the same command again after a stop (a session's end,
+# a killed job): finished steps are skipped and a run stopped mid-way continues from its last checkpoint.
+#
+#   NAME=standalone6_f32 bash bench/standalone_study.sh      # ~10 h on 2 AVX2 cores, ~3 h where `auto` is bfloat16
+#
+# `auto` precision makes the branch point a float32 draft on a CPU without AVX512-BF16 and a bfloat16 one on a CPU
+# with it: keep one NAME per kind of machine (the results name the study they come from).
+set -euo pipefail
+NAME=${NAME:-standalone6_f32}
+S=(--kind standalone --name "$NAME")
+DIR=runs/study/$NAME
+
+python bench/study.py plateau "${S[@]}" --set draft.num_layers=6 --tokens 740000 --doublings 4
+# C1: tau of every export on the validation split (n = 40); --only matches no arm
+[ -f "$DIR/plateau/eval/curve.json" ] || python bench/study.py eval "${S[@]}" --sets validation --exports --only none
+python bench/study.py arms "${S[@]}" --arms opd,sft --seeds 0,1 --steps 15                  # C2
+python bench/study.py arms "${S[@]}" --arms sft_rollouts,fkl,rkl,random --seeds 0 --steps 15  # C5, C3, C4
+python bench/study.py eval "${S[@]}" --sets validation,mtbench --eval-prompts 80 --last
