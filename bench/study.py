@@ -111,18 +111,49 @@ def eval_prompts(name: str, n: int, target: str) -> list[list[int]]:
     return prompt_ids(source, split, n, target)
 
 
-def measure(
-    target: str, kind: str, drafts: list[Path], sets: list[str], n: int, max_new: int
-) -> dict[str, dict[str, Any]]:
-    """{set: {draft: tau entry}} with one engine per set."""
-    from draft_opd_ray.eval.tau import measure_drafts
+def _stamp(draft: Path) -> int:
+    """What identifies a draft's weights in the measurement cache: its weights file's modification time (an arm
+    re-run from scratch writes new ones)."""
+    return (draft / "model.safetensors").stat().st_mtime_ns
 
+
+def measure(
+    target: str, kind: str, drafts: list[Path], sets: list[str], n: int, max_new: int, cache: Path
+) -> dict[str, dict[str, Any]]:
+    """{set: {draft: tau entry}} with one engine per set. Each draft's entry is kept in ``cache`` as soon as it is
+    measured (per set, prompt count and answer length), and drafts found there are not measured again: an
+    evaluation stopped mid-way (a session's end) continues where it stopped."""
     return {
-        s: measure_drafts(
-            target, kind, drafts, eval_prompts(s, n, target), k=4, max_new_tokens=max_new, eos_token_id=2
-        )
+        s: _measure_set(target, kind, drafts, s, n, max_new, cache / f"taus_{s}_n{n}_t{max_new}.json")
         for s in sets
     }
+
+
+def _measure_set(
+    target: str, kind: str, drafts: list[Path], name: str, n: int, max_new: int, path: Path
+) -> dict[str, Any]:
+    from draft_opd_ray.checkpoint import write_text_atomic
+    from draft_opd_ray.eval.tau import measure_drafts
+
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    have = {d: e["entry"] for d, e in kept.items() if Path(d).is_dir() and e["stamp"] == _stamp(Path(d))}
+    todo = [d for d in drafts if str(d) not in have]
+
+    def keep(draft: str, entry: dict[str, Any]) -> None:
+        kept[draft] = {"stamp": _stamp(Path(draft)), "entry": entry}
+        write_text_atomic(path, json.dumps(kept) + "\n")
+
+    if todo:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(
+            f"[eval] {name}: {len(todo)} drafts to measure, {len(drafts) - len(todo)} kept in {path}",
+            flush=True,
+        )
+        prompts = eval_prompts(name, n, target)
+        have |= measure_drafts(
+            target, kind, todo, prompts, k=4, max_new_tokens=max_new, eos_token_id=2, on_measured=keep
+        )
+    return {str(d): have[str(d)] for d in drafts}
 
 
 # ------------------------------------------------------------------------------------------------ plateau
@@ -298,7 +329,15 @@ def evaluate_arms(args: argparse.Namespace) -> None:
     taus: dict[str, dict[str, Any]] = {}
     for s in sets:  # the plateau's other exports ride along on the validation set
         extra = exports if s == "validation" else []
-        taus |= measure(target, args.kind, [*drafts, *extra], [s], args.eval_prompts, args.max_new_tokens)
+        taus |= measure(
+            target,
+            args.kind,
+            [*drafts, *extra],
+            [s],
+            args.eval_prompts,
+            args.max_new_tokens,
+            study(args) / "eval",
+        )
     if "validation" in sets and exports:
         plateau_curve(study(args), taus["validation"])
     for run in runs:

@@ -10,7 +10,7 @@ computed from them.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +87,12 @@ def measure_drafts(
     max_new_tokens: int,
     eos_token_id: int | None,
     max_model_len: int = 2048,
+    on_measured: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """τ of several drafts of one kind (and vocabulary) on the same prompts, greedy, in ONE vLLM engine: after
     the first, each draft's weights are swapped in (`load_draft_weights`). Keyed by the draft folder; each
-    value is a `tau_entry` (τ, n, 95% CI, per-prompt counts)."""
+    value is a `tau_entry` (τ, n, 95% CI, per-prompt counts). ``on_measured(draft, entry)`` is called as each
+    draft is done (a caller that keeps them loses none to a stop mid-list)."""
     from safetensors.torch import load_file
 
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
@@ -113,6 +115,8 @@ def measure_drafts(
                 engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), v)
             stats, recs = measure_all(engine, prompts, sampling)
             out[str(path)] = tau_entry(stats, recs)
+            if on_measured is not None:
+                on_measured(str(path), out[str(path)])
             print(
                 f"[tau] {path}: τ {out[str(path)]['tau']:.3f} (vLLM {out[str(path)]['tau_vllm']:.3f})",
                 flush=True,

@@ -184,3 +184,45 @@ def test_a_run_stopped_midway_is_resumed_not_taken_as_done(
     assert "stages=[sft]" in sft and "sft.max_flops=1000000000000.0" in sft
     run(mod, monkeypatch, "arms", "--name", "s", "--arms", "opd,sft", "--steps", "2")
     assert len(calls) == 3  # both finished: nothing re-run
+
+
+def test_eval_keeps_each_measured_draft(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation stopped after some drafts (a session's end) keeps their tau: the rerun measures only the rest,
+    and a draft whose weights were rewritten since (an arm re-run) is measured again. The engine is replaced here:
+    this tests the bookkeeping around `measure_drafts`, not tau."""
+    import os
+
+    import draft_opd_ray.eval.tau as tau_mod
+
+    mod, _ = study
+    drafts = [Path(f"d{i}") for i in range(3)]
+    for d in drafts:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"w")
+    monkeypatch.setattr(mod, "eval_prompts", lambda name, n, target: [[1, 2]] * n)
+    measured: list[str] = []
+
+    def fake(target, kind, todo, prompts, *, on_measured, stop_after=None, **kw):  # type: ignore[no-untyped-def]
+        out = {}
+        for i, d in enumerate(todo):
+            if stop_after is not None and i == stop_after:
+                raise KeyboardInterrupt
+            measured.append(str(d))
+            out[str(d)] = {"tau": 1.0 + len(measured), "n": len(prompts)}
+            on_measured(str(d), out[str(d)])
+        return out
+
+    monkeypatch.setattr(tau_mod, "measure_drafts", lambda *a, **kw: fake(*a, stop_after=2, **kw))
+    with pytest.raises(KeyboardInterrupt):
+        mod.measure("t", "standalone", drafts, ["validation"], 5, 64, Path("cache"))
+    assert measured == ["d0", "d1"]
+    monkeypatch.setattr(tau_mod, "measure_drafts", fake)
+    got = mod.measure("t", "standalone", drafts, ["validation"], 5, 64, Path("cache"))["validation"]
+    assert measured == ["d0", "d1", "d2"] and [got[str(d)]["tau"] for d in drafts] == [2.0, 3.0, 4.0]
+    os.utime(drafts[1] / "model.safetensors", ns=(1, 1))  # d1's weights rewritten
+    got = mod.measure("t", "standalone", drafts, ["validation"], 5, 64, Path("cache"))["validation"]
+    assert measured[3:] == ["d1"] and got["d1"]["tau"] == 5.0 and got["d0"]["tau"] == 2.0
+    mod.measure("t", "standalone", drafts, ["validation"], 10, 64, Path("cache"))  # another prompt count
+    assert measured[4:] == ["d0", "d1", "d2"]
