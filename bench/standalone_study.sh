@@ -3,7 +3,12 @@
 # (c)-(f) for seed 0, then one evaluation of every arm. Run the same command again after a stop (a session's end,
 # a killed job): finished steps are skipped and a run stopped mid-way continues from its last checkpoint.
 #
-#   NAME=standalone6_f32 bash bench/standalone_study.sh      # ~10 h on 2 AVX2 cores, ~3 h where `auto` is bfloat16
+#   NAME=standalone6_f32 bash bench/standalone_study.sh      # ~10 h on 2 AVX2 cores, ~5 h where `auto` is bfloat16
+#
+# ARMS picks the arm groups, each `arms:seeds`, in order (default: all of them); CURVE=0 skips the C1 curve. A new
+# machine has an empty runs/, so a session that can hold only part of the chain names the part it runs, e.g.
+#
+#   NAME=standalone6_740k CURVE=0 ARMS="fkl,rkl:0 random:0" bash bench/standalone_study.sh
 #
 # `auto` precision makes the branch point a float32 draft on a CPU without AVX512-BF16 and a bfloat16 one on a CPU
 # with it: keep one NAME per kind of machine (the results name the study they come from).
@@ -14,7 +19,11 @@ DIR=runs/study/$NAME
 
 python bench/study.py plateau "${S[@]}" --set draft.num_layers=6 --tokens 740000 --doublings 4
 # C1: tau of every export on the validation split (n = 40); --only matches no arm
-[ -f "$DIR/plateau/eval/curve.json" ] || python bench/study.py eval "${S[@]}" --sets validation --exports --only none
-python bench/study.py arms "${S[@]}" --arms opd,sft --seeds 0,1 --steps 15                  # C2
-python bench/study.py arms "${S[@]}" --arms sft_rollouts,fkl,rkl,random --seeds 0 --steps 15  # C5, C3, C4
+if [ "${CURVE:-1}" != 0 ] && [ ! -f "$DIR/plateau/eval/curve.json" ]; then
+  python bench/study.py eval "${S[@]}" --sets validation --exports --only none
+fi
+# C2: opd, sft; C5: sft_rollouts; C3: fkl, rkl; C4: random
+for group in ${ARMS:-opd,sft:0,1 sft_rollouts,fkl,rkl,random:0}; do
+  python bench/study.py arms "${S[@]}" --arms "${group%%:*}" --seeds "${group##*:}" --steps 15
+done
 python bench/study.py eval "${S[@]}" --sets validation,mtbench --eval-prompts 80 --last

@@ -226,3 +226,31 @@ def test_eval_keeps_each_measured_draft(
     assert measured[3:] == ["d1"] and got["d1"]["tau"] == 5.0 and got["d0"]["tau"] == 2.0
     mod.measure("t", "standalone", drafts, ["validation"], 10, 64, Path("cache"))  # another prompt count
     assert measured[4:] == ["d0", "d1", "d2"]
+
+
+def test_standalone_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
+    """`bench/standalone_study.sh`: ARMS names the arm groups (`arms:seeds`, in order) and CURVE=0 skips the curve,
+    so a session on a new machine can run one part of the chain; the default runs every group."""
+    import os
+    import subprocess
+
+    script = BENCH.parent / "standalone_study.sh"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "calls.txt"
+    (bindir / "python").write_text(f'#!/usr/bin/env bash\necho "$*" >> {record}\n')  # records study.py's argv
+    (bindir / "python").chmod(0o755)
+
+    def chain(**env: str) -> list[str]:
+        record.unlink(missing_ok=True)
+        full = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "NAME": "s", **env}
+        subprocess.run(["bash", str(script)], check=True, cwd=tmp_path, env=full)
+        return [line.split(" ", 1)[1] for line in record.read_text().splitlines()]  # after bench/study.py
+
+    default = chain()
+    assert [c.split()[0] for c in default] == ["plateau", "eval", "arms", "arms", "eval"]
+    assert "--arms opd,sft --seeds 0,1 --steps 15" in default[2]
+    assert "--arms sft_rollouts,fkl,rkl,random --seeds 0 --steps 15" in default[3]
+    part = chain(CURVE="0", ARMS="fkl,rkl:0 random:1")
+    assert [c.split()[0] for c in part] == ["plateau", "arms", "arms", "eval"]
+    assert "--arms fkl,rkl --seeds 0" in part[1] and "--arms random --seeds 1" in part[2]
