@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -231,9 +233,6 @@ def test_eval_keeps_each_measured_draft(
 def test_standalone_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
     """`bench/standalone_study.sh`: ARMS names the arm groups (`arms:seeds`, in order) and CURVE=0 skips the curve,
     so a session on a new machine can run one part of the chain; the default runs every group."""
-    import os
-    import subprocess
-
     script = BENCH.parent / "standalone_study.sh"
     bindir = tmp_path / "bin"
     bindir.mkdir()
