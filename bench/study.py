@@ -303,7 +303,8 @@ def arms(args: argparse.Namespace) -> None:
                     "sft.lr=1e-4",  # the OPD peak (optim.lr): the same schedule from the same point
                 ]
             else:
-                extra += [f"draft.path={branch}"]
+                # a checkpoint every 5 steps: a session that stops mid-arm loses at most 5 steps (~15 min) of it
+                extra += [f"draft.path={branch}", "opd.checkpoint_every=5"]
             run_or_resume(run, extra, run / "arm.log")
             (run / "arm").write_text(arm + "\n")
 

@@ -90,6 +90,7 @@ def test_plateau_overrides_reach_every_arm(
     for cmd in (opd_cmd, fkl_cmd):
         assert "draft.num_layers=6" in cmd and "rollout.max_new_tokens=64" in cmd
         assert f"draft.path={info['branch']}" in cmd and "opd.steps=3" in cmd and "seed=0" in cmd
+        assert "opd.checkpoint_every=5" in cmd  # a stopped arm resumes from at most 5 steps back
     assert "algorithm=forward_kl" in fkl_cmd and "algorithm=forward_kl" not in opd_cmd
     # the arm's own override comes after the plateau's: Hydra's last value wins
     assert opd_cmd.index("draft.num_layers=6") < opd_cmd.index("rollout.max_new_tokens=64")
