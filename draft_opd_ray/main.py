@@ -27,6 +27,7 @@ from draft_opd_ray.placement import PlacementPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def describe(cfg: Config, plan: PlacementPlan) -> str:
@@ -80,6 +81,8 @@ def _hydra_main(dcfg: DictConfig) -> None:
     try:
         check_run_dir(cfg, run_dir)
         run(cfg, plan, run_dir=str(run_dir))
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`ray job stop`): Ray is shut down by now
+        _stop(interrupted(run_dir), EXIT_INTERRUPTED, run_dir, prefix="interrupted")
     except Exception as e:  # noqa: BLE001 - user errors and run failures become one line; the rest propagates
         cause = user_facing(e)
         if cause is None:
@@ -103,9 +106,28 @@ def user_facing(e: BaseException) -> DraftOPDError | RunError | None:
     return None
 
 
-def _stop(e: BaseException, code: int, run_dir: Path | None) -> NoReturn:
+def interrupted(run_dir: Path) -> str:
+    """What an interrupted run keeps: its last complete checkpoint and how to continue from it, or that there is
+    none (a run stopped before its first checkpoint starts again from the beginning)."""
+    from draft_opd_ray.checkpoint import latest_checkpoint
+
+    kept = [
+        f"checkpoints/{stage}/{last.name}"
+        for stage in ("sft", "opd")
+        if (last := latest_checkpoint(run_dir / "checkpoints" / stage, "training_state.pt")) is not None
+    ]
+    if not kept:
+        return "no checkpoint was written yet; run the same command again to start over"
+    return f"the last complete checkpoint ({kept[-1]}) is kept: resume={run_dir} continues from it"
+
+
+def _raise_interrupt(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def _stop(e: BaseException | str, code: int, run_dir: Path | None, prefix: str = "error") -> NoReturn:
     """One line on stderr, ``run_dir`` gone if Hydra's files are all it holds, exit ``code``."""
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    print(f"{prefix}: {e}", file=sys.stderr, flush=True)
     if run_dir is not None:
         remove_untouched_run_dir(run_dir)
     sys.exit(code)
@@ -184,6 +206,10 @@ def composition_error(text: str) -> str:
 
 def main() -> None:
     global _TAP
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM stops a run as Ctrl-C does
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     register_configs()
     _TAP = tap = _HeldStderr(sys.stderr)
     sys.stderr = tap

@@ -3,7 +3,8 @@ and resumed with `resume=<run dir>` logs the same losses, τ and versions as the
 duplicate metrics rows. Two rollout workers (the default plan): a step trains on the next rounds in feed
 order (`opd.rounds_per_step`), whichever worker finishes first. Greedy rollouts, fp32 on CPU. The checkpoint
 holds the pipeline (the feed's position and the rounds in flight), so the resumed run sees the same rounds.
-Slow: `make test-slow`."""
+A Ctrl-C after a checkpoint stops the run within seconds, with one line naming that checkpoint and the resume
+command; the resumed run finishes. Slow: `make test-slow`."""
 
 from __future__ import annotations
 
@@ -81,3 +82,41 @@ def test_a_killed_run_resumes_exactly(tiny_target: Path, tmp_path: Path) -> None
     assert times == sorted(times)  # the clock continued, it did not restart at 0
     assert (cut / "checkpoints" / "opd" / "latest").read_text().strip() == f"step_{STEPS}"
     assert not list((cut / "checkpoints" / "opd").glob(".tmp-*"))
+
+
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default action, even under a parent that ignores SIGINT (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_stops_the_run_and_says_how_to_resume(tiny_target: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draft_opd_ray.main", *_overrides(tiny_target, run_dir)],
+        cwd=helpers.REPO,
+        env={**os.environ, "PYTHONPATH": str(helpers.REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, which a terminal's Ctrl-C signals whole
+        preexec_fn=_default_sigint,
+    )
+    latest = run_dir / "checkpoints" / "opd" / "latest"
+    deadline = time.monotonic() + 1200
+    while not (latest.is_file() and latest.read_text().strip() == "step_2"):
+        assert p.poll() is None, "the run ended before its step-2 checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    sent = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert p.returncode == 130, err[-3000:]
+    assert took < 60, took  # Ray's shutdown included
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted: the last complete checkpoint (checkpoints/opd/step_"), err[-3000:]
+    assert last.endswith(f"is kept: resume={run_dir} continues from it"), last
+    assert "Traceback" not in err, err[-3000:]
+    r = helpers.run_main(*_overrides(tiny_target, run_dir), f"resume={run_dir}", timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in _opd_rows(run_dir)] == list(range(1, STEPS + 1))

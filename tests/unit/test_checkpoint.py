@@ -133,3 +133,20 @@ def test_training_state_is_never_unpickled(tmp_path: Path) -> None:
     torn.write_bytes(good.read_bytes()[:40])
     with pytest.raises(CheckpointError, match="torn.pt: not loaded"):
         load_state(torn)
+
+
+def test_an_interrupted_run_names_its_last_checkpoint_and_how_to_resume(tmp_path: Path) -> None:
+    from draft_opd_ray.main import interrupted
+
+    run_dir = tmp_path / "run"
+    assert interrupted(run_dir) == "no checkpoint was written yet; run the same command again to start over"
+    write_checkpoint(run_dir / "checkpoints" / "sft", "step_40", _fill("sft"))
+    assert interrupted(run_dir) == "no checkpoint was written yet; run the same command again to start over"
+    (run_dir / "checkpoints" / "sft" / "step_40" / "training_state.pt").write_text("")  # its marker
+    assert interrupted(run_dir).startswith("the last complete checkpoint (checkpoints/sft/step_40) is kept")
+    root = run_dir / "checkpoints" / "opd"
+    write_checkpoint(root, "step_2", lambda t: (t / "training_state.pt").write_text(""))
+    (root / ".tmp-step_4").mkdir()  # a write the interrupt cut short is not a checkpoint
+    assert interrupted(run_dir) == (
+        f"the last complete checkpoint (checkpoints/opd/step_2) is kept: resume={run_dir} continues from it"
+    )
