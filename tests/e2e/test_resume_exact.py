@@ -111,6 +111,7 @@ def test_ctrl_c_stops_the_run_and_says_how_to_resume(tiny_target: Path, tmp_path
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=120)
     took = time.monotonic() - sent
+    print(f"Ctrl-C to exit: {took:.1f} s")
     assert p.returncode == 130, err[-3000:]
     assert took < 60, took  # Ray's shutdown included
     last = err.strip().splitlines()[-1]
