@@ -35,17 +35,18 @@ def _opd_rows(run_dir: Path) -> list[dict]:
     return [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
 
 
-def _kill_after_checkpoint(target: Path, run_dir: Path, seed: int) -> float:
-    """Start the run, SIGKILL its process group at a random moment after `latest` names step_2 (before step_4);
-    returns the seconds after the checkpoint at which it was killed."""
-    env = {**os.environ, "PYTHONPATH": str(helpers.REPO)}
+def _start_until_step_2(target: Path, run_dir: Path, stderr: int) -> subprocess.Popen[str]:
+    """Start the run in its own process group (which a terminal's Ctrl-C signals whole), with Ctrl-C's default
+    action even under a parent that ignores SIGINT; return once `latest` names step_2."""
     p = subprocess.Popen(
         [sys.executable, "-m", "draft_opd_ray.main", *_overrides(target, run_dir)],
         cwd=helpers.REPO,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(helpers.REPO)},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
+        text=True,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     latest = run_dir / "checkpoints" / "opd" / "latest"
     deadline = time.monotonic() + 1200
@@ -53,6 +54,19 @@ def _kill_after_checkpoint(target: Path, run_dir: Path, seed: int) -> float:
         assert p.poll() is None, "the run ended before its step-2 checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    return p
+
+
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default action, even under a parent that ignores SIGINT (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _kill_after_checkpoint(target: Path, run_dir: Path, seed: int) -> float:
+    """Start the run, SIGKILL its process group at a random moment after `latest` names step_2 (before step_4);
+    returns the seconds after the checkpoint at which it was killed."""
+    p = _start_until_step_2(target, run_dir, stderr=subprocess.DEVNULL)
+    latest = run_dir / "checkpoints" / "opd" / "latest"
     wait = random.Random(seed).uniform(0.0, 3.0)
     time.sleep(wait)
     os.killpg(p.pid, signal.SIGKILL)
@@ -84,29 +98,9 @@ def test_a_killed_run_resumes_exactly(tiny_target: Path, tmp_path: Path) -> None
     assert not list((cut / "checkpoints" / "opd").glob(".tmp-*"))
 
 
-def _default_sigint() -> None:
-    """In the child: Ctrl-C's default action, even under a parent that ignores SIGINT (a background job)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_stops_the_run_and_says_how_to_resume(tiny_target: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "draft_opd_ray.main", *_overrides(tiny_target, run_dir)],
-        cwd=helpers.REPO,
-        env={**os.environ, "PYTHONPATH": str(helpers.REPO)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, which a terminal's Ctrl-C signals whole
-        preexec_fn=_default_sigint,
-    )
-    latest = run_dir / "checkpoints" / "opd" / "latest"
-    deadline = time.monotonic() + 1200
-    while not (latest.is_file() and latest.read_text().strip() == "step_2"):
-        assert p.poll() is None, "the run ended before its step-2 checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    p = _start_until_step_2(tiny_target, run_dir, stderr=subprocess.PIPE)
     sent = time.monotonic()
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=120)
