@@ -163,6 +163,7 @@ def plateau(args: argparse.Namespace) -> None:
     run = study(args) / "plateau"
     budget = args.tokens
     marks = [budget >> i for i in range(args.doublings, 0, -1)]
+    info: dict[str, Any] = {}
     if not (run / "plateau.json").is_file():  # written once the training has finished
         overrides = [
             "stages=[sft]",
@@ -173,12 +174,13 @@ def plateau(args: argparse.Namespace) -> None:
         ]
         run_or_resume(run, overrides, run / "sft.log")
     else:  # trained before: its overrides are what the checkpoints were made with
-        saved = _plateau_info(study(args)).get("overrides", [])
+        info = _plateau_info(study(args))  # and the curve's verdict, once measured, kept
+        saved = info.get("overrides", [])
         if args.set and args.set != saved:
             raise SystemExit(f"{run} was trained with --set {saved}, not {args.set}: use another --name")
         args.set = saved
     drafts = checkpoints(run, "sft")
-    info = {"branch": str(drafts[-1]), "overrides": args.set}
+    info |= {"branch": str(drafts[-1]), "overrides": args.set}
     (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
 

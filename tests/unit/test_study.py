@@ -157,6 +157,10 @@ def test_plateau_curve_rule_and_paired_gain(
 
     mod.plateau_curve(root, {str(drafts[0]): first, str(drafts[1]): entry([3, 4, 5, 6] * 5)})
     assert json.loads((root / "plateau" / "plateau.json").read_text())["plateaued"] is True
+    # the chain reruns `plateau` before the arms: the measured verdict stays in plateau.json
+    run(mod, monkeypatch, "plateau", "--name", "s")
+    info = json.loads((root / "plateau" / "plateau.json").read_text())
+    assert info["plateaued"] is True and info["branch"] == str(drafts[-1])
 
 
 def test_a_run_stopped_midway_is_resumed_not_taken_as_done(
@@ -231,10 +235,11 @@ def test_eval_keeps_each_measured_draft(
     assert measured[4:] == ["d0", "d1", "d2"]
 
 
-def test_standalone_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
-    """`bench/standalone_study.sh`: ARMS names the arm groups (`arms:seeds`, in order) and CURVE=0 skips the curve,
-    so a session on a new machine can run one part of the chain; the default runs every group."""
-    script = BENCH.parent / "standalone_study.sh"
+def test_study_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
+    """`bench/plateau_study.sh`: KIND picks the plateau's budget and default arm groups, ARMS names the arm groups
+    (`arms:seeds`, in order) and CURVE=0 skips the curve, so a session on a new machine can run one part of the
+    chain; the default runs every group."""
+    script = BENCH.parent / "plateau_study.sh"
     bindir = tmp_path / "bin"
     bindir.mkdir()
     record = tmp_path / "calls.txt"
@@ -249,8 +254,17 @@ def test_standalone_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
 
     default = chain()
     assert [c.split()[0] for c in default] == ["plateau", "eval", "arms", "arms", "eval"]
+    assert "--kind standalone" in default[0] and "--set draft.num_layers=6 --tokens 740000" in default[0]
     assert "--arms opd,sft --seeds 0,1 --steps 15" in default[2]
     assert "--arms sft_rollouts,fkl,rkl,random --seeds 0 --steps 15" in default[3]
     part = chain(CURVE="0", ARMS="fkl,rkl:0 random:1")
     assert [c.split()[0] for c in part] == ["plateau", "arms", "arms", "eval"]
     assert "--arms fkl,rkl --seeds 0" in part[1] and "--arms random --seeds 1" in part[2]
+    eagle = chain(KIND="eagle3")
+    assert [c.split()[0] for c in eagle] == ["plateau", "eval", "arms", "eval"]
+    assert "--kind eagle3" in eagle[0] and "--tokens 5120000 --doublings 6" in eagle[0]
+    assert "--arms opd,sft,sft_rollouts --seeds 0,1 --steps 15" in eagle[2]
+    bad = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env={**os.environ, "KIND": "x"}, capture_output=True
+    )
+    assert bad.returncode == 2 and b"expected standalone or eagle3" in bad.stderr
