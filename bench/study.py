@@ -104,6 +104,12 @@ def training_flops(ckpt: Path) -> float:
     return float(f.get("flops_draft", 0.0)) + float(f.get("flops_target", 0.0))
 
 
+def trained_tokens(ckpt: Path) -> int:
+    import torch
+
+    return int(torch.load(ckpt.parent / "training_state.pt", weights_only=True).get("tokens", 0))
+
+
 def eval_prompts(name: str, n: int, target: str) -> list[list[int]]:
     from draft_opd_ray.data.prompts import prompt_ids
 
@@ -181,6 +187,12 @@ def plateau(args: argparse.Namespace) -> None:
         args.set = saved
     drafts = checkpoints(run, "sft")
     info |= {"branch": str(drafts[-1]), "overrides": args.set}
+    trained = trained_tokens(drafts[-1])
+    if trained < budget:  # a guard ended it first (sft.epochs): the curve's last step is then not a doubling
+        print(
+            f"[plateau] trained {trained:,} of --tokens {budget:,} tokens: sft.epochs ended it (see the log)"
+        )
+    info["trained_tokens"] = trained
     (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
 
@@ -192,18 +204,38 @@ def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
     run = root / "plateau"
     curve: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
-    for d in checkpoints(run, "sft"):
+    drafts = checkpoints(run, "sft")
+    for d in drafts:
         e = taus[str(d)]
         curve.append(
-            {"draft": str(d), "flops": training_flops(d), "tau": e["tau"], "tau_ci": e["tau_ci"], "n": e["n"]}
+            {
+                "draft": str(d),
+                "tokens": trained_tokens(d),
+                "flops": training_flops(d),
+                "tau": e["tau"],
+                "tau_ci": e["tau_ci"],
+                "n": e["n"],
+            }
         )
-        if prev is not None:  # this doubling's gain, paired per prompt (the rule reads the pooled gain)
+        if prev is not None:  # the gain over the export before, paired per prompt
             curve[-1]["paired_prev"] = paired_diff(e["per_prompt"], prev["per_prompt"])
         prev = e
-    gain = curve[-1]["tau"] - curve[-2]["tau"] if len(curve) > 1 else math.nan
-    verdict = {"plateaued": bool(gain < 0.02), "last_doubling_gain": gain, "rule": "gain < +0.02 tau"}
-    if len(curve) > 1:
-        verdict["last_doubling_paired"] = curve[-1]["paired_prev"]
+    # the rule's span: the last export against the latest one at most half its trained tokens (a whole doubling,
+    # or more; an export a guard such as sft.epochs made after the last mark is not compared with that mark alone)
+    last = curve[-1]
+    base = next((i for i in range(len(curve) - 2, -1, -1) if 2 * curve[i]["tokens"] <= last["tokens"]), None)
+    gain = last["tau"] - curve[base]["tau"] if base is not None else math.nan
+    verdict: dict[str, Any] = {
+        "plateaued": bool(gain < 0.02),
+        "last_doubling_gain": gain,
+        "rule": "gain < +0.02 tau",
+    }
+    if base is not None:
+        verdict["last_doubling_from"] = curve[base]["draft"]
+        verdict["last_doubling_tokens"] = [curve[base]["tokens"], last["tokens"]]
+        verdict["last_doubling_paired"] = paired_diff(
+            taus[str(drafts[-1])]["per_prompt"], taus[str(drafts[base])]["per_prompt"]
+        )
     (run / "eval").mkdir(parents=True, exist_ok=True)
     (run / "eval" / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
     info = {**_plateau_info(root), "branch": curve[-1]["draft"], **verdict}
@@ -215,7 +247,11 @@ def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:
             f"[plateau] {c['flops']:.3g} FLOPs: tau {c['tau']:.3f} [{c['tau_ci'][0]:.3f}, {c['tau_ci'][1]:.3f}]"
             + step
         )
-    print(f"[plateau] last doubling {gain:+.3f}: {'plateaued' if verdict['plateaued'] else 'NOT plateaued'}")
+    span = verdict.get("last_doubling_tokens", [0, 0])
+    print(
+        f"[plateau] last doubling ({span[0]:,} -> {span[1]:,} tokens) {gain:+.3f}: "
+        + ("plateaued" if verdict["plateaued"] else "NOT plateaued")
+    )
 
 
 def _plateau_info(root: Path) -> dict[str, Any]:

@@ -126,6 +126,21 @@ def schedule_progress(
     return min(1.0, frac)
 
 
+def epoch_cap_note(tokens: int, epochs_done: int, epochs: int, train_tokens: int | None) -> str | None:
+    """The warning when ``sft.epochs`` ends training before ``sft.train_tokens`` (at the tokens an epoch so far),
+    else None: the token budget is the one users set, the epoch cap is only a guard."""
+    if not train_tokens or epochs_done < 1:
+        return None
+    projected = round(tokens / epochs_done * epochs)
+    if projected >= train_tokens:
+        return None
+    need = math.ceil(train_tokens / (tokens / epochs_done))
+    return (
+        f"sft.epochs={epochs} will end training at ~{projected:,} trained tokens ({tokens // epochs_done:,} an "
+        f"epoch), before sft.train_tokens={train_tokens:,}: set sft.epochs={need} for the token budget"
+    )
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -579,9 +594,15 @@ def _train(
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
+            note = epoch_cap_note(state.tokens, state.epoch, sft.epochs, sft.train_tokens)
+            if note and state.epoch == 1 and world()[0] == 0:
+                log.warning(note)
             continue
         break
     bar.close()
+    note = epoch_cap_note(state.tokens, state.epoch, sft.epochs, sft.train_tokens)
+    if note and state.epoch >= sft.epochs and world()[0] == 0:
+        log.warning(note.replace("will end", "ended"))
     if final is None or state.checkpoints[-1] != f"step_{state.step}":
         final = save_checkpoint(engine, state, root, target, recipe)
     return final

@@ -226,6 +226,18 @@ def test_schedule_counts_tokens_not_minutes() -> None:
     assert schedule_progress(5, 10**6, 10, None, 3e12, 1e13) == pytest.approx(0.3)
 
 
+def test_an_epoch_cap_before_the_token_budget_is_named() -> None:
+    """`sft.epochs` is a guard; when it would end training before `sft.train_tokens` the trainer says so after the
+    first epoch, with the epochs the budget needs (a 5.12M-token plateau once stopped at 20 epochs = 3.21M)."""
+    from draft_opd_ray.sft.trainer import epoch_cap_note
+
+    note = epoch_cap_note(160_614, 1, 20, 5_120_000)
+    assert note is not None and "~3,212,280 trained tokens" in note and "set sft.epochs=32" in note
+    assert epoch_cap_note(160_614, 1, 32, 5_120_000) is None  # the budget fits
+    assert epoch_cap_note(160_614, 1, 20, None) is None  # no token budget: epochs are the budget
+    assert epoch_cap_note(0, 0, 20, 5_120_000) is None  # no epoch finished yet
+
+
 def test_lr_schedule() -> None:
     assert lr_factor(0.0, 0.1, "cosine") < 0.01 and lr_factor(0.1, 0.1, "cosine") == pytest.approx(1.0)
     assert lr_factor(1.0, 0.1, "cosine") == pytest.approx(0.1) and lr_factor(0.5, 0.0, "constant") == 1.0

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "study.py"
 
@@ -31,6 +32,9 @@ def study(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[ModuleType, 
         stage = "sft" if "stages=[sft]" in args or "plateau" in run.parts else "opd"
         for step in (1, 2):
             (run / "checkpoints" / stage / f"step_{step}" / "draft").mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"tokens": 1000 * step}, run / "checkpoints" / stage / f"step_{step}" / "training_state.pt"
+            )
         (run / "checkpoints" / stage / "latest").write_text("step_2\n")
 
     monkeypatch.setattr(mod, "sh", fake_sh)
@@ -43,7 +47,9 @@ def run(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
 
 
 def test_plateau_overrides_reach_every_arm(
-    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+    study: tuple[ModuleType, list[list[str]]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     mod, calls = study
     common = ("--kind", "standalone", "--name", "s6")
@@ -64,6 +70,10 @@ def test_plateau_overrides_reach_every_arm(
     assert "sft.curve_tokens=[2000]" in plateau_cmd and "sft.train_tokens=4000" in plateau_cmd
     info = json.loads(Path("runs/study/s6/plateau/plateau.json").read_text())
     assert info["overrides"] == ["draft.num_layers=6"]
+    # the fake run stopped at 2,000 of 4,000 tokens (as sft.epochs can end one): the plateau says so
+    assert (
+        info["trained_tokens"] == 2000 and "trained 2,000 of --tokens 4,000 tokens" in capsys.readouterr().out
+    )
     assert info["branch"].endswith("checkpoints/sft/step_2/draft")
     # a rerun finds the plateau trained: it keeps the overrides the checkpoints were made with
     run(mod, monkeypatch, "plateau", *common)
@@ -130,15 +140,14 @@ def test_plateau_curve_rule_and_paired_gain(
 ) -> None:
     """The rule reads the pooled gain of the last doubling (< +0.02 tau: plateaued); each export also carries its
     per-prompt gain over the export before it, with a CI."""
-    import torch
-
     mod, _ = study
     root = Path("runs/study/s")
     run(mod, monkeypatch, "plateau", "--name", "s", "--tokens", "4000", "--doublings", "1")
     drafts = mod.checkpoints(root / "plateau", "sft")
     for i, d in enumerate(drafts):
         torch.save(
-            {"flops": {"flops_draft": 1e12 * (i + 1), "flops_target": 0.0}}, d.parent / "training_state.pt"
+            {"tokens": 1000 * (i + 1), "flops_draft": 1e12 * (i + 1), "flops_target": 0.0},
+            d.parent / "training_state.pt",
         )
 
     def entry(acc: list[int]) -> dict[str, object]:  # tau = 1 + accepted / steps, 10 steps a prompt
@@ -161,6 +170,21 @@ def test_plateau_curve_rule_and_paired_gain(
     run(mod, monkeypatch, "plateau", "--name", "s")
     info = json.loads((root / "plateau" / "plateau.json").read_text())
     assert info["plateaued"] is True and info["branch"] == str(drafts[-1])
+
+    # a guard (sft.epochs) ended training at 2,500 tokens, after the 2,000 mark: 2,000 -> 2,500 is no doubling, so
+    # the rule reads 1,000 -> 2,500 (+0.1 over it, although flat since 2,000)
+    extra = root / "plateau" / "checkpoints" / "sft" / "step_3"
+    (extra / "draft").mkdir(parents=True)
+    torch.save({"tokens": 2500, "flops_draft": 2.5e12, "flops_target": 0.0}, extra / "training_state.pt")
+    drafts = mod.checkpoints(root / "plateau", "sft")
+    mod.plateau_curve(root, {str(drafts[0]): first, str(drafts[1]): last, str(drafts[2]): last})
+    info = json.loads((root / "plateau" / "plateau.json").read_text())
+    assert info["plateaued"] is False and info["last_doubling_gain"] == pytest.approx(0.1)
+    assert info["last_doubling_tokens"] == [1000, 2500] and info["last_doubling_paired"][
+        "mean"
+    ] == pytest.approx(0.1)
+    curve = json.loads((root / "plateau" / "eval" / "curve.json").read_text())
+    assert [c["tokens"] for c in curve] == [1000, 2000, 2500] and curve[2]["paired_prev"]["mean"] == 0.0
 
 
 def test_a_run_stopped_midway_is_resumed_not_taken_as_done(
