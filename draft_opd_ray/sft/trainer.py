@@ -126,6 +126,18 @@ def schedule_progress(
     return min(1.0, frac)
 
 
+def progress_measure(
+    state: TrainState, sft: SFTConfig, total_steps: int, flops0: float
+) -> tuple[float, float, str]:
+    """The progress bar's (total, done, unit) in the budget that ends training: FLOPs for the matched-FLOPs arm
+    (``sft.max_flops``), else trained tokens, else steps of ``sft.epochs``; so its ETA is the run's."""
+    if sft.max_flops is not None:
+        return sft.max_flops - flops0, state.flops_draft + state.flops_target - flops0, "FLOP"
+    if sft.train_tokens is not None:
+        return sft.train_tokens, state.tokens, "tok"
+    return total_steps, state.step, "step"
+
+
 def epoch_cap_note(tokens: int, epochs_done: int, epochs: int, train_tokens: int | None) -> str | None:
     """The warning when ``sft.epochs`` ends training before ``sft.train_tokens`` (at the tokens an epoch so far),
     else None: the token budget is the one users set, the epoch cap is only a guard."""
@@ -540,14 +552,9 @@ def _train(
     total_steps = (
         steps_per_epoch * sft.epochs if max_steps is None else min(max_steps, steps_per_epoch * sft.epochs)
     )
-    by_tokens = sft.train_tokens is not None
+    total, initial, unit = progress_measure(state, sft, total_steps, flops0)
     bar = tqdm(
-        total=sft.train_tokens if by_tokens else total_steps,
-        initial=state.tokens if by_tokens else state.step,
-        desc="sft",
-        unit="tok" if by_tokens else "step",
-        unit_scale=by_tokens,
-        disable=not progress,
+        total=total, initial=initial, desc="sft", unit=unit, unit_scale=unit != "step", disable=not progress
     )
     final: Path | None = None
     while state.epoch < sft.epochs:
@@ -581,7 +588,7 @@ def _train(
                 state.flops_target += target_forward_flops(info, B, T)
             state.budget_s_used = start_used + (time.monotonic() - wall0)
             emit(_step_row(state, loss, m, lr, ntok, B * T, dt))
-            bar.update(ntok if by_tokens else 1)
+            bar.update(progress_measure(state, sft, total_steps, flops0)[1] - bar.n)
             bar.set_postfix(
                 step=state.step,
                 loss=f"{loss:.3f}",

@@ -238,6 +238,22 @@ def test_an_epoch_cap_before_the_token_budget_is_named() -> None:
     assert epoch_cap_note(0, 0, 20, 5_120_000) is None  # no epoch finished yet
 
 
+def test_progress_bar_counts_the_budget_that_ends_training() -> None:
+    """The matched-FLOPs arm's bar counts FLOPs (its ETA was the 1,000-epoch guard's, "51 h", for a 3-minute run);
+    a token budget counts tokens; epochs alone count steps."""
+    from draft_opd_ray.config.schema import SFTConfig
+    from draft_opd_ray.sft.trainer import TrainState, progress_measure
+
+    state = TrainState(step=10, tokens=4000, flops_draft=2e12, flops_target=5e12)
+    assert progress_measure(state, SFTConfig(train_tokens=None, max_flops=1e13), 640_000, 0.0) == (
+        1e13,
+        7e12,
+        "FLOP",
+    )
+    assert progress_measure(state, SFTConfig(train_tokens=8000), 640_000, 1e12) == (8000, 4000, "tok")
+    assert progress_measure(state, SFTConfig(train_tokens=None), 640, 0.0) == (640, 10, "step")
+
+
 def test_lr_schedule() -> None:
     assert lr_factor(0.0, 0.1, "cosine") < 0.01 and lr_factor(0.1, 0.1, "cosine") == pytest.approx(1.0)
     assert lr_factor(1.0, 0.1, "cosine") == pytest.approx(0.1) and lr_factor(0.5, 0.0, "constant") == 1.0
