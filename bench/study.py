@@ -13,7 +13,9 @@
    of trained tokens with exports at every doubling (`sft.curve_tokens`). Each export's tau on the validation
    split (ShareGPT's held-out hash split: prompts no stage trains on) gives the curve; the rule, fixed before
    running: the curve has plateaued once the last doubling of training compute gained less than +0.02 tau. The
-   last export is the branch point (cached in the run dir: the arms can be re-run later).
+   last export is the branch point (cached in the run dir: the arms can be re-run later). Where runs/ was lost but
+   the cache kept the finished warm start (a new checkout on the same machine), the same command finds it there,
+   as `main` does, and copies it into the run dir as the branch point; the curve's exports are then not there.
 2. arms, all from the branch point, at matched training FLOPs where the arm is SFT:
    opd           Draft-OPD with the defaults (`stages=[opd]`, rollouts on the train prompts after the 768)
    sft           SFT continued on the same answers (`sft.start_from`), `sft.max_flops` = the OPD run's training
@@ -186,6 +188,10 @@ def plateau(args: argparse.Namespace) -> None:
             raise SystemExit(f"{run} was trained with --set {saved}, not {args.set}: use another --name")
         args.set = saved
     drafts = checkpoints(run, "sft")
+    if not drafts:  # the run dir was lost (a new machine) but the cache kept the warm start: main reused it
+        info |= {"branch": str(_branch_from_cache(run)), "overrides": args.set}
+        (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
+        return
     info |= {"branch": str(drafts[-1]), "overrides": args.set}
     trained = trained_tokens(drafts[-1])
     if trained < budget:  # a guard ended it first (sft.epochs): the curve's last step is then not a doubling
@@ -195,6 +201,31 @@ def plateau(args: argparse.Namespace) -> None:
     info["trained_tokens"] = trained
     (run / "plateau.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"[plateau] branch point {drafts[-1]}; its curve is measured by `python bench/study.py eval`")
+
+
+def _branch_from_cache(run: Path) -> Path:
+    """The cached warm start that ``main`` reused for this plateau (its ``warm_start`` file), copied into the run
+    dir as the branch point. Its curve's exports are not there: `--set sft.reuse=false` under another --name
+    retrains them."""
+    note = run / "warm_start"
+    if not note.is_file():
+        raise SystemExit(
+            f"{run}: the run left no checkpoints/sft and reused no warm start, see {run}/sft.log"
+        )
+    cached = Path(note.read_text().strip())
+    branch = run / "branch" / "draft"
+    if not branch.is_dir():
+        tmp = branch.with_name(".draft.tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(cached, tmp)
+        tmp.replace(branch)
+    print(
+        f"[plateau] {run} reused the cached warm start {cached} (the same settings trained it before): branch "
+        f"point {branch}; the curve's exports are not in this run dir (`--set sft.reuse=false` under another "
+        "--name retrains them)"
+    )
+    return branch
 
 
 def plateau_curve(root: Path, taus: dict[str, dict[str, Any]]) -> None:

@@ -122,6 +122,7 @@ def run_sft_stage(
     )
     if cfg.sft.reuse and (warm / "config.json").is_file():
         print(f"[sft] reusing warm start {warm}", flush=True)
+        (run_dir / "warm_start").write_text(f"{warm}\n")  # which cached draft this run's sft stage was
         return warm
     traj = generate_trajectories(
         target,

@@ -101,7 +101,7 @@ def _prompts_with_cached_answers(cfg: Config, target: Path) -> list[list[int]]:
     prompts = [r.prompt_ids for r in rows]
     key = cache_key(target, prompts, cfg.sft.max_new_tokens, (2,), "float32")
     folder = Path(cfg.cache_dir or "") / "sft_trajectories" / key
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     _write(folder / FINAL, rows)
     return prompts
 
@@ -160,3 +160,21 @@ def test_two_ranks_train_the_draft_one_rank_does(ray_local: None, tiny_target: P
     assert w1.keys() == w2.keys()
     diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1 if w1[k].is_floating_point())
     assert diff <= 5e-6, diff
+
+    # the same settings again reuse the cached warm start (no training) and the run dir names it
+    from draft_opd_ray.sft.stage import run_sft_stage
+
+    cfg = _config(tmp_path / "one", tiny_target, 1)
+    again = tmp_path / "again"
+    again.mkdir()
+    metrics = MetricsLogger(again, wandb_mode="disabled")
+    got = run_sft_stage(
+        cfg,
+        target=str(tiny_target),
+        prompts=_prompts_with_cached_answers(cfg, tiny_target),
+        run_dir=again,
+        metrics=metrics,
+    )
+    metrics.close()
+    assert got == warm1 and (again / "warm_start").read_text() == f"{warm1}\n"
+    assert not (again / "checkpoints").exists()

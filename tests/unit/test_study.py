@@ -292,3 +292,33 @@ def test_study_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
         ["bash", str(script)], cwd=tmp_path, env={**os.environ, "KIND": "x"}, capture_output=True
     )
     assert bad.returncode == 2 and b"expected standalone or eagle3" in bad.stderr
+
+
+def test_plateau_from_the_cached_warm_start_when_the_run_dir_is_gone(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A new machine kept the cache but not runs/: `main` reuses the cached warm start (no checkpoints/sft, its
+    `warm_start` note names the draft), and the plateau takes a copy of it as the branch point for the arms."""
+    mod, calls = study
+    cached = tmp_path / "cache" / "warm_starts" / "k" / "draft"
+    cached.mkdir(parents=True)
+    (cached / "model.safetensors").write_bytes(b"w")
+
+    def reusing_sh(args: list[str], log: Path) -> None:
+        calls.append(args)
+        run = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "warm_start").write_text(f"{cached}\n")
+
+    monkeypatch.setattr(mod, "sh", reusing_sh)
+    run(mod, monkeypatch, "plateau", "--name", "c", "--tokens", "4000", "--doublings", "1")
+    info = json.loads(Path("runs/study/c/plateau/plateau.json").read_text())
+    branch = Path(info["branch"])
+    assert branch == Path("runs/study/c/plateau/branch/draft")
+    assert (branch / "model.safetensors").read_bytes() == b"w"
+    run(mod, monkeypatch, "arms", "--name", "c", "--arms", "opd", "--steps", "2")
+    assert f"draft.path={branch}" in calls[-1]
+
+    monkeypatch.setattr(mod, "sh", lambda args, log: calls.append(args))  # neither checkpoints nor a note
+    with pytest.raises(SystemExit, match="left no checkpoints/sft and reused no warm start"):
+        run(mod, monkeypatch, "plateau", "--name", "d", "--tokens", "4000", "--doublings", "1")
