@@ -126,7 +126,7 @@ def main() -> None:
     drafts = [warm, sft_draft, opd_draft / "draft"]
     target = ensure_embedded_target()
     prompts = prompt_ids("mtbench", "all", args.eval_prompts, target)
-    taus = measure_drafts(target, "eagle3", drafts, prompts, k=args.k, max_new_tokens=256, eos_token_id=2)
+    taus = measure_drafts(target, "eagle3", drafts, prompts, k=args.k, max_new_tokens=256)
     t_warm, t_sft, t_opd = (taus[str(d)]["tau_vllm"] for d in drafts)
     out = {
         "P1": t_opd / t_sft,

@@ -45,14 +45,19 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from draft_opd_ray.data.prompts import prompt_ids
-    from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target
+    from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target, target_stop_token_ids
     from draft_opd_ray.opd.batch import ReplayItem, pack_branches
     from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.sft.data import generate_trajectories, read_trajectories
 
     target = ensure_embedded_target()
     trajs = read_trajectories(
-        generate_trajectories(target, prompt_ids("sharegpt", "train", 64, target), default_cache_dir())
+        generate_trajectories(
+            target,
+            prompt_ids("sharegpt", "train", 64, target),
+            default_cache_dir(),
+            stop_token_ids=target_stop_token_ids(target),
+        )
     )
     trajs = [t for t in trajs if len(t.response_ids) >= args.min_response][: args.sequences]
     actor = ReplayActor(str(target), aux_layer_ids=[2, 15, 27], draft_ids=None, k=args.k)

@@ -155,7 +155,7 @@ def main() -> None:
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
     from draft_opd_ray.models.standalone import build_standalone_from_target
-    from draft_opd_ray.models.target import ensure_embedded_target
+    from draft_opd_ray.models.target import ensure_embedded_target, read_target_info, stop_token_ids
     from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
     from draft_opd_ray.rollout.engine import Sampling
 
@@ -293,7 +293,10 @@ def main() -> None:
 
         # ---------------------------------------------------------------- part 2: stall share
         if args.blocks > 0:
-            sampling = Sampling(max_new_tokens=args.max_new_tokens, stop_token_ids=(2,))
+            sampling = Sampling(
+                max_new_tokens=args.max_new_tokens,
+                stop_token_ids=stop_token_ids(read_target_info(target), tok),
+            )
             ray.get([w.generate.remote(prompts, sampling) for w in workers])  # warm-up
             ray.get([w.take_events.remote() for w in workers])
 

@@ -158,9 +158,7 @@ def _measure_set(
             flush=True,
         )
         prompts = eval_prompts(name, n, target)
-        have |= measure_drafts(
-            target, kind, todo, prompts, k=4, max_new_tokens=max_new, eos_token_id=2, on_measured=keep
-        )
+        have |= measure_drafts(target, kind, todo, prompts, k=4, max_new_tokens=max_new, on_measured=keep)
     return {str(d): have[str(d)] for d in drafts}
 
 

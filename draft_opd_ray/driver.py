@@ -109,15 +109,16 @@ def opd_stage(
     target: str,
     draft: str,
     prompts: list[list[int]],
-    eos: int | None,
+    stop: tuple[int, ...],
     run_dir: Path,
     metrics: MetricsLogger,
     reservation: Reservation | None,
 ) -> str:
-    """The Draft-OPD loop in the run's reservation (Ray is connected by `run`, around every stage)."""
+    """The Draft-OPD loop in the run's reservation (Ray is connected by `run`, around every stage); rollouts
+    stop at any of ``stop`` (the target's eos ids)."""
     from draft_opd_ray.opd.loop import run_opd
 
-    out = run_opd(cfg, plan, target, draft, prompts, eos, run_dir, metrics, reservation=reservation)
+    out = run_opd(cfg, plan, target, draft, prompts, stop, run_dir, metrics, reservation=reservation)
     return str(out)
 
 
@@ -127,11 +128,12 @@ def eval_stage(
     draft: str | None,
     before: str | None,
     held_out: dict[str, list[list[int]]],
-    eos: int | None,
+    stop: tuple[int, ...],
     run_dir: Path,
     metrics: MetricsLogger,
 ) -> None:
-    """The evaluation report (τ before/after, acceptance, speed-up, baselines), logged and printed."""
+    """The evaluation report (τ before/after, acceptance, speed-up, baselines), logged and printed; answers
+    stop at any of ``stop`` (the target's eos ids)."""
     from draft_opd_ray.eval.evaluate import evaluate
 
     report = evaluate(
@@ -142,11 +144,14 @@ def eval_stage(
         datasets=held_out,
         out_dir=run_dir / "eval",
         max_new_tokens=cfg.eval.max_new_tokens,
-        eos_token_id=eos,
+        stop_token_ids=stop,
         concurrency=cfg.eval.concurrency,
         baselines=cfg.eval.baselines,
         max_model_len=cfg.target.max_model_len,
         before=before,
+        dtype=cfg.target.dtype,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        tensor_parallel=cfg.cluster.rollout_tensor_parallel,
     )
     for name, e in report["datasets"].items():
         metrics.log(
@@ -176,17 +181,21 @@ def ray_session(
 
 @dataclasses.dataclass
 class Inputs:
-    """What every stage reads: the target and the prompt sets, tokenized and filtered (a set that filters to
-    nothing is found here, seconds after the cluster is reached and before any stage starts)."""
+    """What every stage reads: the target, the ids that end its answers (every eos id of its config files and
+    tokenizer: `models.target.stop_token_ids`) and the prompt sets, tokenized and filtered (a set that filters
+    to nothing is found here, seconds after the cluster is reached and before any stage starts)."""
 
     target: str
     info: Any
     train: list[Any]
     held_out: dict[str, Any]
+    stop: tuple[int, ...]
 
 
 def prepare_inputs(cfg: Config) -> Inputs:
     """The target (converted once), and the train and held-out prompt sets tokenized and filtered."""
+    from draft_opd_ray.models.target import stop_token_ids
+
     target, tokenizer, info = prepare_target(cfg)
     train = load_prompts(cfg, tokenizer, "train") if {"sft", "opd"} & set(cfg.stages) else []
     held_out = (
@@ -194,7 +203,7 @@ def prepare_inputs(cfg: Config) -> Inputs:
         if "eval" in cfg.stages
         else {}
     )
-    return Inputs(target, info, train, held_out)
+    return Inputs(target, info, train, held_out, stop_token_ids(info, tokenizer))
 
 
 def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
@@ -212,7 +221,7 @@ def run_stages(
     cfg: Config, plan: PlacementPlan, rd: Path, reservation: Reservation | None, inputs: Inputs | None = None
 ) -> None:
     x = inputs or prepare_inputs(cfg)
-    target, info, train, held_out = x.target, x.info, x.train, x.held_out
+    target, train, held_out, stop = x.target, x.train, x.held_out, x.stop
     metrics = MetricsLogger(
         rd,
         wandb_mode=cfg.wandb.mode,
@@ -228,15 +237,21 @@ def run_stages(
 
             draft = str(
                 run_sft_stage(
-                    cfg, target=target, prompts=train, run_dir=rd, metrics=metrics, reservation=reservation
+                    cfg,
+                    target=target,
+                    prompts=train,
+                    run_dir=rd,
+                    metrics=metrics,
+                    reservation=reservation,
+                    stop_token_ids=stop,
                 )
             )
         if "opd" in cfg.stages:
             start_draft = draft = draft or initial_draft(cfg, target, rd)
             draft = opd_stage(
-                cfg, plan, target, draft, opd_prompts(cfg, train), info.eos_token_id, rd, metrics, reservation
+                cfg, plan, target, draft, opd_prompts(cfg, train), stop, rd, metrics, reservation
             )
         if "eval" in cfg.stages:
-            eval_stage(cfg, target, draft, start_draft, held_out, info.eos_token_id, rd, metrics)
+            eval_stage(cfg, target, draft, start_draft, held_out, stop, rd, metrics)
     finally:
         metrics.close()

@@ -74,22 +74,21 @@ def evaluate(
     datasets: dict[str, list[list[int]]],
     out_dir: str | Path,
     max_new_tokens: int,
-    eos_token_id: int | None,
+    stop_token_ids: Sequence[int],
     concurrency: Sequence[int] = (1,),
     baselines: Sequence[str] = ("ngram",),
     max_model_len: int = 2048,
     speed_prompts: int = 8,
     before: str | Path | None = None,
 ) -> dict[str, Any]:
-    """``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
+    """``stop_token_ids``: the ids that end the target's answers (`models.target.stop_token_ids`).
+    ``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
     engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's.
     Raises `DataError` before any engine starts when an eval set has no prompts."""
     check_datasets(datasets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens, stop_token_ids=(eos_token_id,) if eos_token_id is not None else ()
-    )
+    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
     methods = (
         [(draft_kind, str(draft_path) if draft_path else None)]
         + [(b, None) for b in baselines]

@@ -85,21 +85,22 @@ def measure_drafts(
     *,
     k: int,
     max_new_tokens: int,
-    eos_token_id: int | None,
+    stop_token_ids: Sequence[int] | None = None,
     max_model_len: int = 2048,
     on_measured: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """τ of several drafts of one kind (and vocabulary) on the same prompts, greedy, in ONE vLLM engine: after
     the first, each draft's weights are swapped in (`load_draft_weights`). Keyed by the draft folder; each
     value is a `tau_entry` (τ, n, 95% CI, per-prompt counts). ``on_measured(draft, entry)`` is called as each
-    draft is done (a caller that keeps them loses none to a stop mid-list)."""
+    draft is done (a caller that keeps them loses none to a stop mid-list). ``stop_token_ids``: the ids that
+    end an answer (None: the target's eos ids, `models.target.stop_token_ids`)."""
     from safetensors.torch import load_file
 
+    from draft_opd_ray.models.target import target_stop_token_ids
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
 
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens, stop_token_ids=(eos_token_id,) if eos_token_id is not None else ()
-    )
+    stop = tuple(stop_token_ids) if stop_token_ids is not None else target_stop_token_ids(target)
+    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stop)
     out: dict[str, dict[str, float]] = {}
     engine = SpecDecodeEngine(
         str(target),

@@ -33,16 +33,18 @@ def tau_match(
     *,
     k: int,
     max_new_tokens: int,
-    eos_token_id: int | None = 2,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """{"tau_vllm", "tau_reference", "ratio", "identical", ...} for one draft on ``prompts``."""
+    """{"tau_vllm", "tau_reference", "ratio", "identical", ...} for one draft on ``prompts``; answers stop at
+    ``stop_token_ids`` (None: the target's eos ids, `models.target.stop_token_ids`)."""
     from transformers import AutoModelForCausalLM
 
     from draft_opd_ray.models.kinds import draft_kind
+    from draft_opd_ray.models.target import target_stop_token_ids
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
     from draft_opd_ray.rollout.reference import speculative_generate
 
-    stop = (eos_token_id,) if eos_token_id is not None else ()
+    stop = tuple(stop_token_ids) if stop_token_ids is not None else target_stop_token_ids(target_dir)
     tic = time.monotonic()
     engine = SpecDecodeEngine(
         target_dir, draft_kind=kind, draft_path=draft_dir, num_speculative_tokens=k, max_model_len=2048
@@ -60,7 +62,7 @@ def tau_match(
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     drafter = draft_kind(kind).drafter(target, draft_dir, target_dir)
     ref = speculative_generate(
-        target, drafter, prompts, k=k, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
+        target, drafter, prompts, k=k, max_new_tokens=max_new_tokens, stop_token_ids=stop
     )
     ref_s = time.monotonic() - tic
     tv, tr = served_stats["tau_vllm"], tau_stats(ref)["tau"]

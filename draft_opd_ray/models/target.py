@@ -382,6 +382,24 @@ EMBEDDED_CONFIG: dict[str, Any] = {
 }
 
 
+def stop_token_ids(info: TargetInfo, tokenizer: Any = None) -> tuple[int, ...]:
+    """Every id that ends an answer of the target: config.json's and generation_config.json's eos ids
+    (``info.eos_token_ids``, primary first), then the tokenizer's eos id where it is another one. Every stage
+    samples with all of them: a chat model may end a turn with a token its config.json does not name."""
+    ids = list(info.eos_token_ids)
+    extra = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(extra, int) and extra not in ids:
+        ids.append(extra)
+    return tuple(ids)
+
+
+def target_stop_token_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """:func:`stop_token_ids` of the target folder ``path`` (its config files and its tokenizer)."""
+    from transformers import AutoTokenizer
+
+    return stop_token_ids(read_target_info(path), AutoTokenizer.from_pretrained(os.fspath(path)))
+
+
 def target_info_for_checks(path: str | os.PathLike[str], cache_dir: Path | None = None) -> TargetInfo:
     """The target's `TargetInfo` without converting or loading anything: the embedded target's converted
     folder if it exists, else `EMBEDDED_CONFIG`; any other target's config.json."""

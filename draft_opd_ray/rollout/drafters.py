@@ -15,7 +15,8 @@ end build the drafter of an exported folder of each kind (the `drafter` entry of
 draft is the reference engine's plain `CausalLMDrafter`).
 
     drafter = Eagle3Drafter(target, load_eagle3(draft_dir, target_dir))
-    records = speculative_generate(target, drafter, prompts, k=4, max_new_tokens=64, eos_token_id=2)
+    stop = target_stop_token_ids(target_dir)  # every eos id of the target (models/target.py)
+    records = speculative_generate(target, drafter, prompts, k=4, max_new_tokens=64, stop_token_ids=stop)
 """
 
 from __future__ import annotations

@@ -187,11 +187,13 @@ def speculative_generate(
     k: int,
     max_new_tokens: int,
     temperature: float = 0.0,
-    eos_token_id: int | None = None,
+    stop_token_ids: Sequence[int] = (),
     seed: int = 0,
     policy_version: int = 0,
 ) -> list[RequestRecord]:
-    """Speculative decoding of a batch of prompts; one record per prompt (docs/design.md, "Records")."""
+    """Speculative decoding of a batch of prompts; one record per prompt (docs/design.md, "Records"). An answer
+    ends at the first of ``stop_token_ids`` it emits (the target's eos ids), kept, as vLLM ends it."""
+    stop = frozenset(stop_token_ids)
     gen = torch.Generator().manual_seed(seed)
     recs = [
         RequestRecord(prompt_ids=list(p), response_ids=[], request_id=str(i)) for i, p in enumerate(prompts)
@@ -207,7 +209,7 @@ def speculative_generate(
         r.response_ids.append(tok)
         if feats is not None:
             ctx[i] = feats[i, : len(r.prompt_ids)].clone()
-    active = [i for i, r in enumerate(recs) if not _finished(r, max_new_tokens, eos_token_id)]
+    active = [i for i, r in enumerate(recs) if not _finished(r, max_new_tokens, stop)]
     while active:
         seqs = [recs[j].prompt_ids + recs[j].response_ids for j in active]
         if isinstance(drafter, FeatureDrafter):
@@ -231,22 +233,24 @@ def speculative_generate(
             r.response_ids.extend(res.emitted)
             if feats is not None:  # exact for s + y_1..y_a; the correction/bonus token has no state yet
                 ctx[j] = feats[i, : len(s) + res.accepted].clone()
-            _truncate(r, max_new_tokens, eos_token_id)
-        active = [j for j in active if not _finished(recs[j], max_new_tokens, eos_token_id)]
+            _truncate(r, max_new_tokens, stop)
+        active = [j for j in active if not _finished(recs[j], max_new_tokens, stop)]
     return recs
 
 
-def _truncate(r: RequestRecord, max_new_tokens: int, eos: int | None) -> None:
-    if eos is not None and eos in r.response_ids:
-        r.response_ids = r.response_ids[: r.response_ids.index(eos) + 1]
+def _truncate(r: RequestRecord, max_new_tokens: int, stop: frozenset[int]) -> None:
+    """Cut the answer after its first stop id, then at ``max_new_tokens``; sets the finish reason."""
+    first = next((j for j, t in enumerate(r.response_ids) if t in stop), None)
+    if first is not None:
+        r.response_ids = r.response_ids[: first + 1]
         r.finish_reason = "stop"
     if len(r.response_ids) >= max_new_tokens:
         r.response_ids = r.response_ids[:max_new_tokens]
         r.finish_reason = r.finish_reason or "length"
 
 
-def _finished(r: RequestRecord, max_new_tokens: int, eos: int | None) -> bool:
-    _truncate(r, max_new_tokens, eos)
+def _finished(r: RequestRecord, max_new_tokens: int, stop: frozenset[int]) -> bool:
+    _truncate(r, max_new_tokens, stop)
     return r.finish_reason != ""
 
 
@@ -256,9 +260,11 @@ def target_generate(
     prompts: Sequence[list[int]],
     *,
     max_new_tokens: int,
-    eos_token_id: int | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[list[int]]:
-    """The target's own greedy decoding (one token per forward), the reference for lossless tests."""
+    """The target's own greedy decoding (one token per forward), the reference for lossless tests; an answer
+    ends at the first of ``stop_token_ids``."""
+    stop = frozenset(stop_token_ids)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     while not all(done):
@@ -267,6 +273,6 @@ def target_generate(
         for j, i in enumerate(idx):
             tok = int(logits[j, len(prompts[i]) + len(out[i]) - 1].argmax())
             out[i].append(tok)
-            if tok == eos_token_id or len(out[i]) >= max_new_tokens:
+            if tok in stop or len(out[i]) >= max_new_tokens:
                 done[i] = True
     return out

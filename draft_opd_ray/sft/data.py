@@ -100,14 +100,17 @@ def generate_trajectories(
     prompts: Sequence[Sequence[int]],
     cache_dir: str | os.PathLike[str],
     *,
+    stop_token_ids: Sequence[int],
     max_new_tokens: int = 256,
-    stop_token_ids: Sequence[int] = (2,),
     max_model_len: int = 2048,
     chunk: int = 256,
     kvcache_gb: float = 2.0,
     dtype: str = "float32",
 ) -> Path:
     """Greedy target responses for ``prompts`` (token ids); returns the cached ``trajectories.parquet``.
+
+    ``stop_token_ids``: every id that ends the target's answer (`models.target.stop_token_ids`); they are part of
+    the cache key, so answers cut at other ids are never reused.
 
     ``dtype`` is the serving precision: bfloat16 is faster where the hardware has it (a CPU with AVX512-BF16,
     a GPU), and its greedy text is the target's own up to rounding (it drifts from the float32 text after some

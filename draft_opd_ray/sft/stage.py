@@ -49,22 +49,25 @@ def _draft_key(cfg: Config) -> dict[str, Any]:
     return d
 
 
-def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]]) -> str:
+# The stop ids every warm start was generated with before they came from the target (SmolLM2's eos): keys of
+# warm starts made with exactly these stay what they were, so the SmolLM2 caches are still found.
+_KEYED_BEFORE_STOP_IDS = (2,)
+
+
+def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]], stop: Sequence[int]) -> str:
+    parts: list[Any] = [
+        target,
+        _sft_key(cfg),
+        _draft_key(cfg),
+        dataclasses.asdict(cfg.optim),
+        dataclasses.asdict(cfg.teacher),
+        resolve_dtype(cfg.learner.dtype),
+        cfg.seed,
+    ]
+    if tuple(stop) != _KEYED_BEFORE_STOP_IDS:
+        parts.append({"stop_token_ids": list(stop)})
     h = hashlib.sha256()
-    h.update(
-        json.dumps(
-            [
-                target,
-                _sft_key(cfg),
-                _draft_key(cfg),
-                dataclasses.asdict(cfg.optim),
-                dataclasses.asdict(cfg.teacher),
-                resolve_dtype(cfg.learner.dtype),
-                cfg.seed,
-            ],
-            sort_keys=True,
-        ).encode()
-    )
+    h.update(json.dumps(parts, sort_keys=True).encode())
     for p in prompts:
         h.update(json.dumps(list(p)).encode())
     return h.hexdigest()[:16]
@@ -107,19 +110,27 @@ def run_sft_stage(
     run_dir: Path,
     metrics: Any,
     reservation: Reservation | None = None,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> Path:
+    """The warm start's draft folder (cached, or trained now). ``stop_token_ids``: the ids that end the target's
+    answers (None: the target's own, `models.target.stop_token_ids`)."""
     from transformers import AutoTokenizer
 
-    from draft_opd_ray.models.target import default_cache_dir
+    from draft_opd_ray.models.target import default_cache_dir, read_target_info
+    from draft_opd_ray.models.target import stop_token_ids as target_stops
     from draft_opd_ray.sft.data import answer_trajectories, generate_trajectories, mix_trajectories
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     tokenizer = AutoTokenizer.from_pretrained(target)
+    stop = (
+        tuple(stop_token_ids)
+        if stop_token_ids is not None
+        else target_stops(read_target_info(target), tokenizer)
+    )
     extra = dataset_answers(cfg, tokenizer, skip=len(prompts))
     prompts = list(prompts)[: cfg.sft.num_prompts]
-    warm = (
-        cache / "warm_starts" / _key(cfg, target, [*prompts, *(list(p.token_ids) for p in extra)]) / "draft"
-    )
+    key = _key(cfg, target, [*prompts, *(list(p.token_ids) for p in extra)], stop)
+    warm = cache / "warm_starts" / key / "draft"
     if cfg.sft.reuse and (warm / "config.json").is_file():
         print(f"[sft] reusing warm start {warm}", flush=True)
         (run_dir / "warm_start").write_text(f"{warm}\n")  # which cached draft this run's sft stage was
@@ -128,6 +139,7 @@ def run_sft_stage(
         target,
         prompts,
         cache,
+        stop_token_ids=stop,
         max_new_tokens=cfg.sft.max_new_tokens,
         max_model_len=cfg.target.max_model_len,
         kvcache_gb=cfg.rollout.kvcache_gb,
@@ -139,7 +151,7 @@ def run_sft_stage(
             [p.meta["answer"] for p in extra],
             tokenizer,
             max_new_tokens=cfg.sft.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=next(iter(stop), None),  # the target's primary eos, as its own answers end
         )
         traj = mix_trajectories(traj, rows, cache)
     draft = _train(cfg, target, traj, run_dir, cache, lambda m: log_sft_row(metrics, m), reservation)

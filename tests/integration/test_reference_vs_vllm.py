@@ -45,7 +45,7 @@ def standalone(smol, tmp_path_factory) -> tuple[Path, list[RequestRecord]]:
     )
     drafter = CausalLMDrafter(load_standalone(folder, smol["path"]).eval())
     recs = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, eos_token_id=EOS
+        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
     )
     return folder, recs
 
@@ -123,7 +123,7 @@ def test_eagle3_vllm_equals_reference(smol, smol_batch, tmp_path: Path) -> None:
     save_eagle3(fit_eagle3(head, smol_batch, steps=12, lr=1e-3), tmp_path / "e3", smol["path"])
     drafter = Eagle3Drafter(smol["model"], load_eagle3(tmp_path / "e3", smol["path"]))
     ref = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, eos_token_id=EOS
+        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
     )
     _, t_ref = compare(smol, "eagle3", tmp_path / "e3", ref)
     assert t_ref > 1.2  # the comparison covers accepts and rejections
@@ -140,7 +140,7 @@ def test_dflash_vllm_equals_reference(smol, tmp_path: Path) -> None:
     save_dflash(draft, tmp_path / "df", smol["path"])
     drafter = DFlashDrafter(smol["model"], load_dflash(tmp_path / "df", smol["path"]))
     ref = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, eos_token_id=EOS
+        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
     )
     assert len({tuple(d) for r in ref for d in r.drafted}) >= 5  # proposals change with the context
     compare(smol, "dflash", tmp_path / "df", ref)

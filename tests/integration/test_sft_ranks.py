@@ -88,6 +88,7 @@ def _config(tmp: Path, target: Path, ranks: int) -> Config:
 
 def _prompts_with_cached_answers(cfg: Config, target: Path) -> list[list[int]]:
     """Prompts whose answers sit in the trajectory cache where the stage looks for them."""
+    from draft_opd_ray.models.target import target_stop_token_ids
     from draft_opd_ray.sft.data import FINAL, Trajectory, _write, cache_key
 
     g = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def _prompts_with_cached_answers(cfg: Config, target: Path) -> list[list[int]]:
         for n in RESPONSES
     ]
     prompts = [r.prompt_ids for r in rows]
-    key = cache_key(target, prompts, cfg.sft.max_new_tokens, (2,), "float32")
+    key = cache_key(target, prompts, cfg.sft.max_new_tokens, target_stop_token_ids(target), "float32")
     folder = Path(cfg.cache_dir or "") / "sft_trajectories" / key
     folder.mkdir(parents=True, exist_ok=True)
     _write(folder / FINAL, rows)

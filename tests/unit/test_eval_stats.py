@@ -240,7 +240,7 @@ def _evaluate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, datasets: dict[st
         datasets=datasets,
         out_dir=tmp_path / "eval",
         max_new_tokens=16,
-        eos_token_id=None,
+        stop_token_ids=(),
         concurrency=(1, 2),
         baselines=("ngram",),
     )

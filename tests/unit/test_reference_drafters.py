@@ -112,7 +112,7 @@ def test_feature_drafters_sample_consistent_records(tiny_lm_case, kind: str) -> 
         else DFlashDrafter(target, tiny_dflash(target))
     )
     recs = speculative_generate(
-        target, drafter, PROMPTS, k=K, max_new_tokens=NEW, temperature=1.0, eos_token_id=3, seed=5
+        target, drafter, PROMPTS, k=K, max_new_tokens=NEW, temperature=1.0, stop_token_ids=(3,), seed=5
     )
     for r in recs:
         assert consistency_error(r) is None, consistency_error(r)

@@ -60,7 +60,7 @@ def test_eos_stops_and_records_stay_consistent() -> None:
     free = target_generate(target, PROMPTS[:1], max_new_tokens=30)[0]
     eos = free[7]  # a token the target emits: generation must stop right after it
     recs = speculative_generate(
-        target, CausalLMDrafter(draft), PROMPTS[:1], k=3, max_new_tokens=30, eos_token_id=eos
+        target, CausalLMDrafter(draft), PROMPTS[:1], k=3, max_new_tokens=30, stop_token_ids=(eos,)
     )
     resp = recs[0].response_ids
     assert resp == free[: free.index(eos) + 1] and recs[0].finish_reason == "stop"
