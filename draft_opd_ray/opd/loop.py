@@ -82,20 +82,14 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
 
 
 def make_weight_sync(
-    cfg: Config,
-    receivers: Sequence[Any],
-    sender: Any = None,
-    engines: Sequence[Any] | None = None,
-    plan: PlacementPlan | None = None,
+    cfg: Config, receivers: Sequence[Any], sender: Any = None, engines: Sequence[Any] | None = None
 ) -> WeightSync:
-    """rollout.weight_sync (`nccl_sync.plan_weight_sync`): auto = NCCL from the learner's rank 0 (``sender``)
-    into the vLLM ``engines`` on a GPU cluster where the sender has a GPU of its own in the placement ``plan``
-    (default: the config's), else one shared-memory file per version on a single node, Ray's object store across
-    nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
-    from draft_opd_ray.config.validate import plan_for
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, plan_weight_sync
+    """rollout.weight_sync (`nccl_sync.weight_sync_kind`): auto = NCCL from the learner's rank 0 (``sender``)
+    into the vLLM ``engines`` on a GPU cluster, else one shared-memory file per version on a single node, Ray's
+    object store across nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
+    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, weight_sync_kind
 
-    kind = plan_weight_sync(cfg.rollout.weight_sync, plan or plan_for(cfg))
+    kind = weight_sync_kind(cfg.rollout.weight_sync, cfg.cluster.num_nodes, cfg.cluster.gpus_per_node)
     if kind == "nccl":
         if sender is None or engines is None:
             raise ValueError("the nccl weight sync needs the learner's rank 0 and the rollout engines")
@@ -314,7 +308,7 @@ def run_opd(
     actors = start_actors(cfg, plan, target, last, total_updates, reservation=reservation)
     sync: WeightSync | None = None
     try:
-        sync = _resume_actors(cfg, actors, saved, start_step, plan)
+        sync = _resume_actors(cfg, actors, saved, start_step)
         sampling = Sampling(
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
@@ -334,7 +328,7 @@ def run_opd(
             sampling,
             submitted=int(saved.get("rounds_submitted", 0)),
             ready=_saved_rounds(resume, saved),
-            on_restart=lambda w: _restart_worker(actors, sync, w, state.version),
+            on_restart=lambda w: _restore_receiver(actors, w, state.version, "rollout worker"),
             max_restarts=cfg.cluster.max_restarts,
         )
         if cfg.replay.mode == "redraft":  # a restarted replay actor redrafts with the current weights
@@ -383,17 +377,7 @@ def _restore_receiver(actors: Actors, receiver: Any, version: int, role: str) ->
     when_back(lambda: receiver.load_draft_weights.remote(weights, version), f"restarted {role}: load weights")
 
 
-def _restart_worker(actors: Actors, sync: WeightSync | None, worker: Any, version: int) -> None:
-    """A restarted rollout worker: the weight sync learns of it first (NCCL re-forms its group before the next
-    publication, or raises when a broadcast can no longer complete), then it gets the current weights."""
-    if sync is not None:
-        sync.restarted(worker)
-    _restore_receiver(actors, worker, version, "rollout worker")
-
-
-def _resume_actors(
-    cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int, plan: PlacementPlan | None = None
-) -> WeightSync:
+def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
     """Restore a resumed run's optimizer states and versions; the weight sync to the receivers."""
 
     redraft = cfg.replay.mode == "redraft"
@@ -407,7 +391,7 @@ def _resume_actors(
                 [a.set_draft_version.remote(start_step) for a in actors.replay.actors], "replay: set version"
             )
     receivers = [*actors.workers, *actors.replay.actors] if redraft else actors.workers
-    sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers, plan=plan)
+    sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers)
     sync.version = int(saved.get("version", start_step))
     return sync
 
@@ -448,11 +432,9 @@ def _one_step(
         metrics.log("opd", step + 1, tau=tau(records), skipped="no anchors")
         return None
     t1 = time.time()
-    # the teacher items go from the replay actors' nodes to the learner ranks' as object references; the
-    # driver reads only their summaries (sizes for the sharding, counts for the metrics)
-    scored = actors.replay.score_refs(items)
+    teacher = actors.replay.score(items)
     t2 = time.time()
-    out = actors.learner.step(scored, cfg.learner.mini_batches)
+    out = actors.learner.step(teacher, cfg.learner.mini_batches)
     t3 = time.time()
     if "skipped" in out:
         _count_nonfinite(cfg, state, out, step, run_dir)
@@ -467,9 +449,8 @@ def _one_step(
         return None
     state.nonfinite_run = 0
     flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
-    summaries = scored.summaries
     flops["flops_target"] += sum(
-        target_forward_flops(info, 1, t.scored_tokens) for t in summaries if t.target_ran
+        target_forward_flops(info, 1, t.scored_tokens()) for t in teacher if _target_ran(t)
     )
     flops["flops_rollout"] += sum(
         rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
@@ -493,8 +474,7 @@ def _one_step(
         learner_s=round(t3 - t2, 2),
         publish_s=round(time.time() - t3, 2),
         step_s=round(time.time() - t0, 2),
-        replay_accept_agree=sum(t.agree for t in summaries) / max(1, sum(t.anchors for t in summaries)),
-        replay_payload_mb=round(sum(t.payload_bytes for t in summaries) / 2**20, 3),
+        replay_accept_agree=_agreement(teacher),
         learner_world_size=actors.world_size,
         records=len(records),
         rollout_restarts=rounds.restarts,
@@ -557,3 +537,14 @@ def plot_tau(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "opd_tau.png", dpi=100)
     plt.close(fig)
+
+
+def _target_ran(t: Any) -> bool:
+    """Whether the replay ran the target for this sequence (not for a standalone draft's sft_on_rollouts)."""
+    return t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
+
+
+def _agreement(teacher: Sequence[Any]) -> float:
+    """Share of anchors whose greedy acceptance under replay equals the recorded one (HF vs vLLM numerics)."""
+    pairs = [(int(a), int(b)) for t in teacher for a, b in zip(t.accepted, t.replay_accepted)]
+    return sum(a == b for a, b in pairs) / max(1, len(pairs))
