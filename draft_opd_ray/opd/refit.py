@@ -15,6 +15,11 @@ the comparison stays exact: zero tolerance at any precision), with -0.0 counted 
 
 `expected_served` maps the sent checkpoint names onto the served names with the rules above (`served_key`);
 `compare` says what differs, or None. Imports only torch.
+
+Tensor parallelism with fewer KV heads than ranks: vLLM's `QKVParallelLinear` then gives every rank one KV head,
+each head on r = tp / kv_heads ranks (rank i loads head i // r), so the ranks' qkv shards add up to
+fp(q) + r·fp(k) + r·fp(v). The ack carries the engine's draft tensor-parallel size and KV heads
+(`kv_replicas`), and the expected fingerprint counts k and v r times.
 """
 
 from __future__ import annotations
@@ -67,6 +72,24 @@ def add(a: Fingerprint, b: Fingerprint) -> Fingerprint:
     return ((a[0] + b[0]) % M, (a[1] + b[1]) % M)
 
 
+def times(a: Fingerprint, r: int) -> Fingerprint:
+    """The fingerprint of ``r`` copies of a tensor (the sums are additive)."""
+    return (a[0] * r % M, a[1] * r % M)
+
+
+_KV = re.compile(r"(^|\.)(k|v)_proj\.")  # checkpoint names of the key and value projections
+
+
+def kv_replicas(tensor_parallel: int, kv_heads: int) -> int:
+    """On how many tensor-parallel ranks vLLM holds each KV head (`QKVParallelLinear`: tp / kv_heads when the
+    ranks outnumber the heads, else 1). ``kv_heads`` 0: unknown, nothing replicated."""
+    if kv_heads <= 0 or tensor_parallel <= kv_heads:
+        return 1
+    if tensor_parallel % kv_heads:
+        raise ValueError(f"tensor-parallel size {tensor_parallel} is not a multiple of {kv_heads} KV heads")
+    return tensor_parallel // kv_heads
+
+
 def fingerprints(
     tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
 ) -> dict[str, Fingerprint]:
@@ -102,12 +125,16 @@ class Expectation:
 
 
 def expected_served(
-    sent: Mapping[str, Fingerprint], served_names: Iterable[str], aliases: Mapping[str, str] | None = None
+    sent: Mapping[str, Fingerprint],
+    served_names: Iterable[str],
+    aliases: Mapping[str, str] | None = None,
+    kv_replicas: int = 1,
 ) -> Expectation:
     """The fingerprints the served tensors must have, from the sent ones: each checkpoint name is mapped
     (``aliases`` first: a kind's own renames, e.g. EAGLE-3's ``midlayer.`` -> ``layers.0.``; then `served_key`)
     onto exactly one served name, and stacked parts add up. Served tensors no sent name maps to (the target's
-    shared embedding) are not checked."""
+    shared embedding) are not checked. ``kv_replicas``: the ranks that each hold a KV head (`kv_replicas`), so
+    a k or v projection stacked into a summed qkv counts that many times."""
     names = list(served_names)
     out = Expectation()
     for name, fp in sent.items():
@@ -120,6 +147,8 @@ def expected_served(
         if len(hits) != 1:
             out.unplaced.append(name)
             continue
+        if kv_replicas > 1 and _KV.search(key) and "qkv_proj." in hits[0]:  # stacked, summed over ranks
+            fp = times(fp, kv_replicas)
         out.served[hits[0]] = add(out.served.get(hits[0], (0, 0)), fp)
     return out
 
@@ -154,13 +183,17 @@ def combine_ranks(ranks: list[dict[str, Fingerprint]]) -> dict[str, Fingerprint]
 @dataclass(frozen=True)
 class RefitAck:
     """What a receiver reports after applying a version: who it is, the version it now serves, the dtype its
-    floating tensors are served in, their fingerprints by served name, and the kind's renames (`expected_served`)."""
+    floating tensors are served in, their fingerprints by served name (its ranks combined, `combine_ranks`), the
+    kind's renames (`expected_served`), and the draft's tensor-parallel size and KV heads (`kv_replicas`; 0:
+    not sharded, e.g. a PyTorch copy)."""
 
     receiver: str
     version: int
     dtype: str
     tensors: dict[str, Fingerprint]
     aliases: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: int = 1
+    kv_heads: int = 0
 
 
 def check_ack(ack: RefitAck, version: int, sent: Mapping[str, Mapping[str, Fingerprint]]) -> None:
@@ -173,6 +206,7 @@ def check_ack(ack: RefitAck, version: int, sent: Mapping[str, Mapping[str, Finge
         raise RefitError(f"{where}: it serves version {ack.version}")
     if ack.dtype not in sent:
         raise RefitError(f"{where}: no checksum was taken in its dtype {ack.dtype}")
-    what = compare(expected_served(sent[ack.dtype], ack.tensors, ack.aliases), ack.tensors)
+    r = kv_replicas(ack.tensor_parallel, ack.kv_heads)
+    what = compare(expected_served(sent[ack.dtype], ack.tensors, ack.aliases, r), ack.tensors)
     if what is not None:
         raise RefitError(f"{where} ({ack.dtype}): {what}")

@@ -272,6 +272,8 @@ class SpecDecodeEngine:
 
         ranks = self.llm.collective_rpc("draft_fingerprints")
         versions = {int(r["version"]) for r in ranks}
+        spec = self.llm.llm_engine.vllm_config.speculative_config
+        assert spec is not None  # an engine without a draft has nothing to refit
         return RefitAck(
             receiver=receiver,
             version=versions.pop() if len(versions) == 1 else -1,  # ranks that disagree serve no one version
@@ -280,6 +282,9 @@ class SpecDecodeEngine:
                 [{n: (int(a), int(b)) for n, (a, b) in r["tensors"].items()} for r in ranks]
             ),
             aliases=dict(VLLM_ALIASES.get(self.draft_kind, {})),
+            # KV heads fewer than the ranks are replicated: the check counts them (`refit.kv_replicas`)
+            tensor_parallel=int(spec.draft_parallel_config.tensor_parallel_size),
+            kv_heads=int(spec.draft_model_config.get_total_num_kv_heads()),
         )
 
     def shutdown(self) -> None:

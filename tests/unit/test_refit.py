@@ -4,6 +4,8 @@ one-line errors. No vLLM, no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from draft_opd_ray.opd.refit import (
     compare,
     expected_served,
     fingerprints,
+    kv_replicas,
     served_key,
     tensor_fingerprint,
 )
@@ -117,6 +120,75 @@ def test_tensor_parallel_ranks_combine() -> None:
     w, norm = torch.randn(8, 4), torch.randn(4)
     ranks = [fingerprints([("w", w[:4]), ("norm", norm)]), fingerprints([("w", w[4:]), ("norm", norm)])]
     assert combine_ranks(ranks) == fingerprints([("w", w), ("norm", norm)])
+
+
+def _vllm_tp_ranks(
+    state: dict[str, torch.Tensor], tp: int, heads: int, kv_heads: int, dtype: torch.dtype
+) -> list[dict[str, torch.Tensor]]:
+    """What each tensor-parallel rank of a vLLM engine holds for ``state``, sharded as vLLM 0.32 shards it:
+    `QKVParallelLinear` gives rank i query heads [i·h/tp, (i+1)·h/tp) and, when the ranks outnumber the KV heads,
+    KV head i // (tp / kv_heads) (each KV head on several ranks), else KV heads [i·kv/tp, (i+1)·kv/tp);
+    `RowParallelLinear` (o_proj) splits the input columns; the norm is replicated."""
+    p = "layers.0.self_attn."
+    q, k, v = (state[p + f"{x}_proj.weight"] for x in "qkv")
+    d = q.shape[0] // heads  # head dim
+    reps = max(1, tp // kv_heads)
+    ranks = []
+    for i in range(tp):
+        nq = heads // tp
+        if tp >= kv_heads:
+            kv_rows = slice(
+                (i // reps) * d, (i // reps + 1) * d
+            )  # one KV head, shared with reps-1 other ranks
+        else:
+            nk = kv_heads // tp
+            kv_rows = slice(i * nk * d, (i + 1) * nk * d)
+        qkv = torch.cat([q[i * nq * d : (i + 1) * nq * d], k[kv_rows], v[kv_rows]])
+        o = state[p + "o_proj.weight"]
+        cols = o.shape[1] // tp
+        ranks.append(
+            {
+                "model.layers.0.self_attn.qkv_proj.weight": qkv.to(dtype),
+                "model.layers.0.self_attn.o_proj.weight": o[:, i * cols : (i + 1) * cols].to(dtype),
+                "model.norm.weight": state["norm.weight"].to(dtype),
+            }
+        )
+    return ranks
+
+
+@pytest.mark.parametrize(("tp", "heads", "kv_heads"), [(4, 8, 2), (4, 4, 1), (8, 8, 2), (2, 8, 4), (2, 4, 2)])
+def test_refit_check_counts_kv_heads_replicated_over_tensor_parallel_ranks(
+    tp: int, heads: int, kv_heads: int
+) -> None:
+    """Brute force: the ranks' shards built the way vLLM replicates KV heads, combined like the engine's ack;
+    the check passes with the engine's tensor-parallel size and KV heads, and a changed k value still fails."""
+    d, hidden = 2, 8
+    g = torch.Generator().manual_seed(tp * 100 + kv_heads)
+    p = "layers.0.self_attn."
+    state = {
+        p + "q_proj.weight": torch.randn(heads * d, hidden, generator=g),
+        p + "k_proj.weight": torch.randn(kv_heads * d, hidden, generator=g),
+        p + "v_proj.weight": torch.randn(kv_heads * d, hidden, generator=g),
+        p + "o_proj.weight": torch.randn(hidden, heads * d, generator=g),
+        "norm.weight": torch.randn(hidden, generator=g),
+    }
+    dtype = torch.bfloat16
+    sent = {"bfloat16": fingerprints(state.items(), dtype)}
+
+    def ack(s: dict[str, torch.Tensor]) -> RefitAck:
+        ranks = [fingerprints(r.items()) for r in _vllm_tp_ranks(s, tp, heads, kv_heads, dtype)]
+        return RefitAck("rollout worker 0", 1, "bfloat16", combine_ranks(ranks), {}, tp, kv_heads)
+
+    check_ack(ack(state), 1, sent)
+    bumped = dict(state, **{p + "k_proj.weight": state[p + "k_proj.weight"].clone()})
+    bumped[p + "k_proj.weight"][0, 0] += 1.0
+    with pytest.raises(RefitError, match="qkv_proj"):
+        check_ack(ack(bumped), 1, sent)
+    if tp > kv_heads:  # without the engine's shape the replicated heads look like a wrong refit
+        plain = dataclasses.replace(ack(state), tensor_parallel=1, kv_heads=0)
+        with pytest.raises(RefitError, match="qkv_proj"):
+            check_ack(plain, 1, sent)
+    assert kv_replicas(tp, kv_heads) == max(1, tp // kv_heads)
 
 
 def test_compare_none_when_equal() -> None:
