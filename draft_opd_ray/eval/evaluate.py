@@ -80,11 +80,16 @@ def evaluate(
     max_model_len: int = 2048,
     speed_prompts: int = 8,
     before: str | Path | None = None,
+    dtype: str = "float32",
+    gpu_memory_utilization: float = 0.5,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """``stop_token_ids``: the ids that end the target's answers (`models.target.stop_token_ids`).
     ``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
     engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's.
-    Raises `DataError` before any engine starts when an eval set has no prompts."""
+    Raises `DataError` before any engine starts when an eval set has no prompts. ``dtype``,
+    ``gpu_memory_utilization``, ``tensor_parallel``: each engine's, as the rollout engines serve the target
+    (`target.dtype`, `rollout.gpu_memory_utilization`, `cluster.rollout_tensor_parallel`)."""
     check_datasets(datasets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +109,9 @@ def evaluate(
             draft_path=first,
             num_speculative_tokens=k,
             max_model_len=max_model_len,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel=tensor_parallel,
             cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
         )
         try:

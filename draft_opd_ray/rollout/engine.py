@@ -4,6 +4,12 @@ Used by the Ray rollout worker (draft_opd_ray.rollout.worker) and by evaluation.
 request before submitting it (empty prompt, prompt too long for the model): a bad request gets a record
 with `error` set and the others run normally. Start-up problems (draft and target vocabularies differ,
 invalid sampling settings) raise ConfigError / ModelError before the engine starts.
+
+Engine arguments that differ from vLLM's defaults on purpose: a recording engine runs with synchronous
+scheduling (`async_scheduling=False`; CUDA's default, async, never hands the drafts to our scheduler), and a
+tensor-parallel engine uses the multiprocessing executor (`distributed_executor_backend="mp"`): inside a Ray
+actor in the run's placement group vLLM would pick its Ray executor, which refuses the actor's multi-GPU
+bundle, while the actor already owns its GPUs. ``dtype="auto"`` is resolved here, on the engine's own node.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models import kinds
 from draft_opd_ray.opd.refit import RefitAck
@@ -25,6 +32,8 @@ EXTENSION = "draft_opd_ray.rollout.vllm_ext.DraftWeightExtension"
 BASELINES = ("none", "ngram")  # methods that are not a trained draft: plain decoding, prompt lookup
 # checkpoint-name fragments vLLM's draft modules spell differently (beyond `opd/refit.served_key`'s rules)
 VLLM_ALIASES: dict[str, dict[str, str]] = {"eagle3": {"midlayer.": "layers.0."}}
+SHM = "/dev/shm"
+SHM_MARGIN = 16 << 20  # bytes left free in /dev/shm beside a weights file (vLLM and NCCL use it too)
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,16 @@ def all_cores() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
+def scratch_dir(nbytes: int) -> str | None:
+    """Where to write a ``nbytes`` file the engine's worker reads: /dev/shm when it has room for it (memory, no
+    disk), else None (the temp dir). Docker's default /dev/shm is 64 MB, less than a draft's weights."""
+    try:
+        st = os.statvfs(SHM)
+    except OSError:  # no /dev/shm (not Linux)
+        return None
+    return SHM if st.f_bavail * st.f_frsize >= nbytes + SHM_MARGIN else None
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str | None):  # type: ignore[no-untyped-def]
     """``name=value`` while the engine process starts (it reads its environment then); None: leave it."""
@@ -115,7 +134,8 @@ class SpecDecodeEngine:
         :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
         puts every engine on one core and leaves the other for the frontend). ``tensor_parallel``: GPUs (ranks)
         the engine shards the target and draft over (vLLM's ``tensor_parallel_size``). ``weight_transfer``: a vLLM
-        weight-transfer backend ("nccl") to receive draft weights through (`opd/nccl_sync.py`); None: files only."""
+        weight-transfer backend ("nccl") to receive draft weights through (`opd/nccl_sync.py`); None: files only.
+        ``dtype``: the target's (and vLLM's draft's) precision; ``auto`` = `device.resolve_dtype` on this node."""
         if draft_path is not None and draft_kind in kinds.KINDS:
             kinds.check_draft_matches_target(target, draft_path, draft_kind)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kvcache_gb)))  # whole GiB (config checks it)
@@ -133,14 +153,22 @@ class SpecDecodeEngine:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
             if self.record:
                 kwargs["scheduler_cls"] = SCHEDULER
+                # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);
+                # not recording (eval speed runs, serving) keeps vLLM's default, async on CUDA
+                kwargs["async_scheduling"] = False
+                print(
+                    "[engine] anchor recording: async_scheduling=False (synchronous scheduling)", flush=True
+                )
             if draft_kind in kinds.KINDS:
                 kwargs["worker_extension_cls"] = EXTENSION
         if weight_transfer is not None:
             kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+        if tensor_parallel > 1:  # the actor owns its GPUs: vLLM's Ray executor would refuse its bundle
+            kwargs["distributed_executor_backend"] = "mp"
         with _env("VLLM_CPU_OMP_THREADS_BIND", cpu_bind):
             self.llm = LLM(
                 self.target,
-                dtype=dtype,  # type: ignore[arg-type]
+                dtype=resolve_dtype(dtype),  # type: ignore[arg-type]
                 max_model_len=max_model_len,
                 enforce_eager=needs_eager(),
                 tensor_parallel_size=tensor_parallel,
@@ -222,13 +250,16 @@ class SpecDecodeEngine:
         """Swap the draft's weights in place (between generation rounds); later records carry `version`.
 
         The full draft state (checkpoint names) is written once to a file in shared memory that the engine's
-        worker process reads; vLLM's reloader needs every weight, not a subset."""
+        worker process reads (the temp dir when /dev/shm lacks room: `scratch_dir`); vLLM's reloader needs every
+        weight, not a subset."""
         import tempfile
 
         from draft_opd_ray.opd.weight_sync import write_safetensors
 
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.NamedTemporaryFile(dir=shm, prefix="draft_opd_ray_", suffix=".safetensors") as f:
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        with tempfile.NamedTemporaryFile(
+            dir=scratch_dir(nbytes), prefix="draft_opd_ray_", suffix=".safetensors"
+        ) as f:
             write_safetensors(f.name, weights)
             self.load_draft_weights_file(f.name, version)
 

@@ -8,12 +8,17 @@ Both classes are loaded by qualified name inside vLLM's own processes:
   (`ModelRunnerOutput.sampled_token_ids`: the accepted drafts plus one correction/bonus token), so
   accepted = len(sampled) - 1, exactly vLLM's own counter. The step list travels back to the driver on
   the request's final output in `kv_transfer_params` (a free-form dict vLLM copies verbatim into
-  `RequestOutput.kv_transfer_params`; unused when no KV connector is configured, which we check).
+  `RequestOutput.kv_transfer_params`; unused when no KV connector is configured, which we check). It needs
+  synchronous scheduling (`async_scheduling=False`, which `SpecDecodeEngine` passes when it records): with async
+  scheduling on, vLLM's engine core never hands the drafts to a plain `Scheduler` subclass and the scheduled
+  drafts are -1 placeholders, so it refuses to start, and a step with placeholder drafts raises.
 * `DraftWeightExtension` (`LLM(..., worker_extension_cls=...)`, mixed into the worker): methods callable
   from the driver through `llm.collective_rpc`. `load_draft_weights` reloads the running draft with vLLM's
   in-place reloader (the one `Worker.reload_weights` uses for the target): on CPU the linear weights are
   repacked after loading, so a plain `model.load_weights` afterwards does not take. `draft_fingerprints`
-  reads the served draft back (the refit proof, `opd/refit.py`).
+  reads the served draft back (the refit proof, `opd/refit.py`). The draft is the model runner's
+  `get_draft_model()` (Model Runner V2, which CUDA selects, holds it in `speculator`; V1 and the CPU runner in
+  `drafter`).
 """
 
 from __future__ import annotations
@@ -24,15 +29,21 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 TRACE_KEY = "draft_opd_ray_steps"
 VERSION_KEY = "draft_opd_ray_policy_version"
+PLACEHOLDER = -1  # the draft id vLLM's AsyncScheduler schedules before the drafts exist
 
 
 class AnchorRecordingScheduler(Scheduler):
     """Records (committed-before, drafted, accepted, target log-probs) for every verification step."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.vllm_config.kv_transfer_config is not None:
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        if vllm_config.kv_transfer_config is not None:
             raise ValueError("anchor recording uses kv_transfer_params; it cannot run with a KV connector")
+        if vllm_config.scheduler_config.async_scheduling:
+            raise ValueError(
+                "anchor recording needs async_scheduling=False: with async scheduling the engine core never "
+                "hands the drafts to this scheduler and every verification step would go unrecorded"
+            )
+        super().__init__(vllm_config, *args, **kwargs)
         self._steps: dict[str, list[tuple[int, list[int], int, list[float]]]] = {}
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -42,6 +53,11 @@ class AnchorRecordingScheduler(Scheduler):
             index = model_runner_output.req_id_to_index
             lps = model_runner_output.logprobs
             for rid, drafted in spec.items():
+                if PLACEHOLDER in drafted:
+                    raise RuntimeError(
+                        f"request {rid}: the verified drafts {list(drafted)} hold async-scheduling placeholders "
+                        f"({PLACEHOLDER}): anchor recording needs the engine started with async_scheduling=False"
+                    )
                 req, i = self.requests.get(rid), index.get(rid)
                 if req is None or i is None or i >= len(sampled_all) or not sampled_all[i]:
                     continue
@@ -77,9 +93,16 @@ class DraftWeightExtension:
     _draft_version: int = 0
 
     def _draft_module(self) -> Any:
-        model = getattr(getattr(self.model_runner, "drafter", None), "model", None)  # type: ignore[attr-defined]
+        """The served draft module: the runner's `get_draft_model()` (V2's `speculator.model`, V1's unwrapped
+        `drafter.model`), else, for a runner without that method, V1's `drafter.model`."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        get = getattr(runner, "get_draft_model", None)
+        model = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
         if model is None:
-            raise RuntimeError("this engine has no draft model to update (is speculative decoding on?)")
+            raise RuntimeError(
+                f"this engine has no draft model to update: its {type(runner).__name__} serves none "
+                "(is speculative decoding on, with a draft model rather than ngram?)"
+            )
         return model
 
     def draft_version(self) -> int:

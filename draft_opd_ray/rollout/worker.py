@@ -35,8 +35,10 @@ class RolloutWorker:
         tensor_parallel: int = 1,
         weight_transfer: str | None = None,
     ) -> None:
-        """``tensor_parallel``: GPUs of this engine (vLLM's ``tensor_parallel_size``). ``weight_transfer="nccl"``
-        readies the engine for `NcclWeightSync` (vLLM's weight-transfer engine)."""
+        """``tensor_parallel``: GPUs of this engine (vLLM's ``tensor_parallel_size``; the actor owns them, the
+        engine runs its ranks as local processes). ``weight_transfer="nccl"`` readies the engine for
+        `NcclWeightSync` (vLLM's weight-transfer engine). ``dtype``: as configured; ``auto`` is resolved by the
+        engine, on this actor's node."""
         if cpu_bind is not None:  # CPU engines: give each worker its own core instead of all binding core 0
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         self.rank = rank

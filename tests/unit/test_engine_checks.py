@@ -52,3 +52,34 @@ def test_speculative_config_spelling() -> None:
     assert speculative_config("none", None, 4) is None
     with pytest.raises(ConfigError, match="draft.path: a eagle3 draft needs a folder"):
         speculative_config("eagle3", None, 4)
+
+
+@pytest.mark.parametrize("free_mb,where", [(64, "tmp"), (4096, "shm")])
+def test_draft_file_leaves_a_small_dev_shm(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free_mb: int, where: str
+) -> None:
+    """The weights file the engine's worker reads goes to /dev/shm only when it fits there: Docker's default
+    /dev/shm (64 MB) cannot hold a 100 MB draft, so the file goes to the temp dir instead (os.statvfs says how
+    much room /dev/shm has)."""
+    import os
+    import tempfile
+
+    import torch
+
+    from draft_opd_ray.rollout import engine as engine_mod
+
+    real_statvfs = os.statvfs
+
+    def statvfs(path: str) -> os.statvfs_result:
+        if path != engine_mod.SHM:
+            return real_statvfs(path)
+        return os.statvfs_result((4096, 4096, 0, 0, free_mb * 256, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    written: list[str] = []
+    engine = object.__new__(SpecDecodeEngine)
+    engine.load_draft_weights_file = lambda path, version: written.append(path)  # type: ignore[method-assign]
+    engine.load_draft_weights({"w": torch.zeros(25 << 20)}, 1)  # 100 MiB of float32
+    (path,) = written
+    assert os.path.dirname(path) == (str(tmp_path) if where == "tmp" else engine_mod.SHM)
