@@ -19,7 +19,6 @@ from typing import Any
 
 from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.config.schema import Config, LossConfig
-from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.errors import RunError
 from draft_opd_ray.opd.batch import (
     ReplayItem,
@@ -255,7 +254,7 @@ def _rollout_workers(
             draft_path=draft_dir,
             num_speculative_tokens=cfg.draft.num_speculative_tokens,
             max_model_len=cfg.target.max_model_len,
-            dtype=cfg.target.dtype,
+            dtype=cfg.target.dtype,  # as configured: the engine resolves it on its node
             kvcache_gb=cfg.rollout.kvcache_gb,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             cpu_bind=str(s.index % ncores) if cpu else None,
@@ -269,10 +268,11 @@ def _rollout_workers(
 
 def replay_teacher(cfg: Config) -> dict[str, Any]:
     """The replay's teacher from `cfg.teacher`, the setting the SFT feature pass reads too: the target's
-    precision and the probabilities kept per position (top-k, or the whole draft vocabulary)."""
+    precision and the probabilities kept per position (top-k, or the whole draft vocabulary). The precision goes
+    as configured: the replay actor resolves ``auto`` on its own node (a CPU-only head would say float32)."""
     full = cfg.teacher.topk is None
     return {
-        "dtype": resolve_dtype(cfg.teacher.dtype),
+        "dtype": cfg.teacher.dtype,
         "payload": "full" if full else "topk",
         "topk": cfg.teacher.topk or 1,
     }
@@ -342,7 +342,7 @@ def _learner_ranks(
         total_steps=total_updates,
         zero_stage=cfg.learner.zero_stage,
         grad_clip=o.grad_clip,
-        dtype=resolve_dtype(cfg.learner.dtype),
+        dtype=cfg.learner.dtype,  # `auto` is resolved by each rank on its node
         train_lm_head=cfg.draft.train_lm_head,
         num_threads=1 if cpu else None,
         backend=cfg.learner.backend,

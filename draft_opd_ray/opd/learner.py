@@ -81,11 +81,12 @@ class Learner:
         master: tuple[str, int] | None = None,
         cpu_share: tuple[int, int] | None = None,
     ) -> None:
-        """``dtype``: the resolved `learner.dtype`; ``total_steps``: optimizer updates of the whole run.
+        """``dtype``: `learner.dtype`; ``total_steps``: optimizer updates of the whole run.
         ``rank`` / ``world_size`` / ``master``: this rank of a data-parallel group of ``world_size`` learner
         actors meeting at rank 0's ``master`` (address, port); one rank needs none. ``cpu_share`` (reserved
         cores, sharers) sets the threads from this node's cores instead of ``num_threads``
         (`device.node_threads`)."""
+        from draft_opd_ray.device import resolve_dtype
         from draft_opd_ray.opd.students import make_student
 
         if objective not in ("opd", "sft_on_rollouts"):
@@ -107,7 +108,7 @@ class Learner:
             betas=betas,
             weight_decay=weight_decay,
             zero_stage=zero_stage,
-            dtype=dtype,
+            dtype=resolve_dtype(dtype),  # `auto`: this rank's node decides, not the driver's
             grad_clip=grad_clip,
             lr_lambda=lambda s: update_lr_factor(s, total_steps, warmup_ratio, schedule),
         )

@@ -71,11 +71,14 @@ class ReplayActor:
             self.student.model.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
+        from draft_opd_ray.device import resolve_dtype
+
         if cpu_share is not None:
             torch.set_num_threads(node_threads(*cpu_share))
         elif num_threads:
             torch.set_num_threads(num_threads)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype))
+        # `auto` is resolved here: this node's hardware decides, not the driver's
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, resolve_dtype(dtype)))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.aux = list(aux_layer_ids)
         self.draft_ids = torch.tensor(list(draft_ids), device=self.device) if draft_ids is not None else None

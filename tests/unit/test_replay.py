@@ -193,7 +193,7 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
     replay = ReplayActor(
         str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=draft_ids, k=c.k, **replay_teacher(cfg)
     )
-    assert getattr(torch, replay_teacher(cfg)["dtype"]) == forward_dtype(cfg.teacher.dtype)
+    assert replay.model.dtype == forward_dtype(cfg.teacher.dtype)  # `auto` resolved by the replay itself
     (t,) = replay.score([c.item])
     hf = load_hf_target(c.target, forward_dtype(cfg.teacher.dtype))
     with torch.no_grad():
