@@ -37,6 +37,36 @@ def load_state(path: str | os.PathLike[str]) -> Any:
         ) from None
 
 
+def plain(x: Any, where: str = "state") -> Any:
+    """``x`` with every tensor detached onto the CPU; dicts, lists, tuples, numbers, strings, dtypes and None kept
+    (what `load_state` reads). Anything else raises here, where the state is made, instead of at the resume that
+    `load_state` refuses (``where``: its path in the state)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v, f"{where}[{i}]") for i, v in enumerate(x))
+    if x is None or type(x) in (bool, int, float, str) or isinstance(x, torch.dtype):
+        return x
+    raise CheckpointError(f"{where}: a {type(x).__module__}.{type(x).__qualname__} is not plain data")
+
+
+def to_device(x: Any, device: Any) -> Any:
+    """``x`` (`plain` data) with every tensor on ``device``."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
 def safe_checkpoint_engine() -> Any:
     """A DeepSpeed checkpoint engine that loads with `load_state` (set as ``engine.checkpoint_engine``)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine

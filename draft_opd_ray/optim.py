@@ -5,6 +5,10 @@ Trained weights: every draft weight except the frozen target token embedding; an
 with ``draft.train_lm_head`` (off by default: the target's rows of the draft vocabulary). Both arms call
 :func:`trainable_parameters`, so a comparison never pits 9.8M trained weights against 5.1M.
 
+Optimizer state for checkpoints (`optimizer_state` / `load_optimizer_state`): the engine's optimizer state as CPU
+tensors and plain data, so that the driver needs no GPU to hold it and `checkpoint.load_state` (weights_only) reads
+it back; DeepSpeed's own `state_dict` holds objects (ZeRO's fragment addresses, loss scaler, stage enum).
+
 Schedule: linear warm-up over ``warmup`` of training, then cosine to ``floor`` x peak (or constant). Draft-OPD
 starts where SFT ended: its default peak ``optim.lr`` = 1e-4 is the SFT schedule's last lr (``sft.lr`` 1e-3 x
 floor 0.1), reached after a short warm-up of the fresh AdamW moments, so the lr never jumps above the warm
@@ -89,3 +93,46 @@ def build_engine(
     )
     engine.checkpoint_engine = safe_checkpoint_engine()  # load_checkpoint unpickles nothing
     return engine, opt, sched
+
+
+# ZeRO-1/2's state_dict: the fragment addresses are rebuilt when the engine starts (only DeepSpeed's universal
+# checkpoints read them), the loss scaler is an object whose attributes are numbers, the stage an IntEnum
+SLICE_MAPPINGS, LOSS_SCALER, ZERO_STAGE = "param_slice_mappings", "loss_scaler", "zero_stage"
+SCALER_STATE = "loss_scaler_state"
+
+
+def optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """``optimizer`` (``engine.optimizer``: torch's, DeepSpeed's mixed-precision or ZeRO-1/2 wrapper)'s state as
+    CPU tensors and plain data (`checkpoint.plain`): what `load_optimizer_state` restores exactly."""
+    from draft_opd_ray.checkpoint import plain
+
+    sd = dict(optimizer.state_dict())
+    sd.pop(SLICE_MAPPINGS, None)
+    scaler = sd.pop(LOSS_SCALER, None)
+    if scaler is not None:
+        sd[SCALER_STATE] = dict(vars(scaler))
+    if ZERO_STAGE in sd:
+        sd[ZERO_STAGE] = int(sd[ZERO_STAGE])
+    return plain(sd)  # type: ignore[no-any-return]
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any], device: Any) -> None:
+    """Restore `optimizer_state`'s output (read on the CPU) into ``optimizer`` on ``device``. ZeRO reads its state
+    from a list indexed by data-parallel rank (only this rank's entry, for the same rank count), and takes its fp32
+    master partition from the state instead of re-widening the bf16/fp16 weights, as DeepSpeed's own resume
+    does: the resumed run then continues exactly."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from draft_opd_ray.checkpoint import to_device
+    from draft_opd_ray.distributed import world
+
+    sd = dict(to_device(state, device))
+    scaler = sd.pop(SCALER_STATE, None)
+    if scaler is not None:
+        for k, v in scaler.items():
+            setattr(optimizer.loss_scaler, k, v)
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        rank, size = world()
+        optimizer.load_state_dict([sd if r == rank else {} for r in range(size)], load_from_fp32_weights=True)
+    else:
+        optimizer.load_state_dict(sd)

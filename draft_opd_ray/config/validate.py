@@ -132,6 +132,15 @@ def _check_training(cfg: Config) -> None:
         )
 
 
+def _check_zero(cfg: Config) -> None:
+    """ZeRO-3 partitions the draft's weights, but the learner reads them whole outside the forward (the LM head in
+    the loss, `rollout_state` for the weight sync); the SFT arm shares the engine settings."""
+    if cfg.learner.zero_stage == 3 and ("sft" in cfg.stages or "opd" in cfg.stages):
+        raise ConfigError(
+            "learner.zero_stage: 3 is not supported (the learner reads whole weights); use 0, 1 or 2"
+        )
+
+
 def _check_cluster(cfg: Config) -> None:
     c = cfg.cluster
     if c.num_nodes > 1 and c.storage_dir is None:
@@ -198,6 +207,7 @@ def validate(cfg: Config) -> PlacementPlan:
     _check_cluster(cfg)
     _check_wandb(cfg)
     _check_draft(cfg)
+    _check_zero(cfg)
     _check_training(cfg)
     _check_lengths(cfg)
     _check_data(cfg)

@@ -27,10 +27,17 @@ from draft_opd_ray.algo.loss import (
     objective_terms,
     sft_terms,
 )
+from draft_opd_ray.checkpoint import plain
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
-from draft_opd_ray.optim import build_engine, trainable_parameters, update_lr_factor
+from draft_opd_ray.optim import (
+    build_engine,
+    load_optimizer_state,
+    optimizer_state,
+    trainable_parameters,
+    update_lr_factor,
+)
 
 
 def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
@@ -263,14 +270,17 @@ class Learner:
         return self.student.save(out_dir)
 
     def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer, schedule and version as CPU tensors and plain data: the driver (which may have no
+        GPU) holds it and writes it with `torch.save`; the resume reads it with `checkpoint.load_state`."""
         return {
-            "optimizer": self.engine.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": optimizer_state(self.engine.optimizer),
+            "scheduler": plain(self.scheduler.state_dict()),
             "version": self.version,
         }
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.engine.optimizer.load_state_dict(state["optimizer"])
+        """`optimizer_state`'s output of the same rank (read on the CPU), onto this rank's device."""
+        load_optimizer_state(self.engine.optimizer, state["optimizer"], self.device)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
 

@@ -150,3 +150,25 @@ def test_an_interrupted_run_names_its_last_checkpoint_and_how_to_resume(tmp_path
     assert interrupted(run_dir) == (
         f"the last complete checkpoint (checkpoints/opd/step_2) is kept: resume={run_dir} continues from it"
     )
+
+
+def test_plain_keeps_tensors_and_data_and_names_any_object(tmp_path: Path) -> None:
+    """`plain`: what a checkpoint may hold (read back by `load_state`, weights_only); an object is refused where
+    the state is made, naming its path (as DeepSpeed's ZeRO state_dict holds fragment addresses)."""
+    import torch
+
+    from draft_opd_ray.checkpoint import load_state, plain
+    from draft_opd_ray.errors import CheckpointError
+
+    state = {"a": [torch.ones(2, requires_grad=True), (1, 2.5, "x", None, True)], "dtype": torch.bfloat16}
+    out = plain(state)
+    assert not out["a"][0].requires_grad and out["a"][1] == (1, 2.5, "x", None, True)
+    path = tmp_path / "s.pt"
+    torch.save(out, path)
+    assert torch.equal(load_state(path)["a"][0], torch.ones(2))
+
+    class Scaler:
+        cur_scale = 1.0
+
+    with pytest.raises(CheckpointError, match=r"state\['a'\]\[1\]: a .*Scaler is not plain data"):
+        plain({"a": [0, Scaler()]})

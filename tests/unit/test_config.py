@@ -100,6 +100,14 @@ def test_validate_raises_config_error_in_process() -> None:
         validate(compose(["+cluster=8xA100", "cluster.learner_ranks=5"]))
 
 
+def test_zero_stage_3_is_refused_for_the_training_stages() -> None:
+    """ZeRO-3 partitions the weights the learner reads whole (LM head, refit): refused before anything loads,
+    for the sft and opd stages alike (they share `learner.zero_stage`)."""
+    for stages in ("[sft]", "[opd]"):
+        with pytest.raises(ConfigError, match=re.escape("learner.zero_stage: 3 is not supported")):
+            validate(compose(["learner.zero_stage=3", f"stages={stages}"]))
+
+
 @pytest.mark.parametrize(
     "overrides,fragment",
     [
