@@ -1,12 +1,13 @@
 """SFT on the learner ranks: `cluster.learner_ranks` Ray actors forming one DeepSpeed data-parallel group.
 
-The driver builds the feature cache first (the target forward of every trajectory, in the driver process, as
-for one rank), then starts one :class:`SFTRank` per rank in the bundle the placement plan reserves for it
-(``reservation.options(LEARNER, r)``). Rank 0 reports the rendezvous address; every rank runs `run_sft` on its
-share of every global batch (the same batches, schedule and budgets as one rank: `sft/trainer.py`). Rank 0
+The driver starts one :class:`SFTRank` per rank in the bundle the placement plan reserves for it
+(``reservation.options(LEARNER, r)``; on a GPU cluster the bundle's GPU is the rank's device). Rank 0 reports the
+rendezvous address; every rank runs `run_sft`: the feature cache first, the ranks sharing the target forward on
+their devices (each writes every ``ranks``-th shard: `sft/features.py`), then its share of every global batch
+(the same batches, schedule and budgets as one rank: `sft/trainer.py`), read lazily from the shards. Rank 0
 writes the exports and checkpoints and keeps its metrics rows, which the driver collects while the ranks train
-and logs in order. The ranks read the trajectories and the feature cache and write the run directory: on
-several nodes these must be on a shared file system.
+and logs in order. The ranks read the trajectories, write and read the feature cache and write the run
+directory: on several nodes these must be on a shared file system.
 
 On a CPU cluster Ray gives each actor OMP threads = its CPU share (often one); nothing else runs during SFT, so
 each rank takes its node's cores divided by the ranks on that node.

@@ -4,8 +4,8 @@ A finished warm start is cached under `<cache>/warm_starts/<key>/draft`, keyed b
 the SFT/draft settings, so later runs with the same settings reuse it (`sft.reuse=false` retrains).
 
 Where it trains: with a ``reservation`` (a run on Ray) on the `cluster.learner_ranks` learner ranks, as one
-data-parallel group (`sft/ranks.py`); without one in this process, as a group of one. The answers (vLLM) and
-the feature cache are made here in either case.
+data-parallel group (`sft/ranks.py`), which also share the target's feature pass on their devices; without one
+in this process, as a group of one. The answers (vLLM) are made here in either case.
 """
 
 from __future__ import annotations
@@ -171,9 +171,9 @@ def _train(
     log_row: Callable[[dict[str, Any]], None],
     reservation: Reservation | None,
 ) -> Path:
-    """`run_sft` in this process, or on the learner ranks of the reservation (the feature cache built here)."""
+    """`run_sft` in this process, or on the learner ranks of the reservation (features included)."""
     from draft_opd_ray.sft.ranks import run_sft_ranks
-    from draft_opd_ray.sft.trainer import build_feature_cache, run_sft
+    from draft_opd_ray.sft.trainer import run_sft
 
     settings: dict[str, Any] = dict(
         sft=cfg.sft,
@@ -189,7 +189,6 @@ def _train(
         )
         release_process_group()
         return draft
-    setup_s = build_feature_cache(target, traj, **settings)
     return run_sft_ranks(
         reservation,
         cfg.cluster.learner_ranks,
@@ -200,6 +199,5 @@ def _train(
         cpu_threads=cfg.cluster.gpus_per_node == 0,
         optim=cfg.optim,
         resume=bool(cfg.resume),
-        setup_s=setup_s,
         **settings,
     )

@@ -97,6 +97,11 @@ def collate(items: Sequence[SeqFeatures], dtype: torch.dtype) -> dict[str, torch
     return b
 
 
+def _barrier() -> None:
+    """Every rank of the group waits here for the others (nothing with one rank)."""
+    all_reduce_sum([0.0])
+
+
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """The recipes' ``reduce``: ``t`` summed over the data-parallel group."""
     return torch.tensor(all_reduce_sum(t.flatten().tolist()), dtype=t.dtype, device=t.device).view_as(t)
@@ -222,12 +227,12 @@ def _cache_path(
     dtype_name: str,
     cache_dir: str | os.PathLike[str],
 ) -> Path:
-    """The feature cache file of these trajectories for this recipe, teacher and stored precision."""
+    """The feature cache folder of these trajectories for this recipe, teacher and stored precision."""
     topk = teacher.kept(len(recipe.label_ids))
     key = FeatureCache.key(
         trajectories, recipe.feature_ids, recipe.label_ids, topk, dtype_name, forward_dtype(teacher.dtype)
     )
-    return Path(cache_dir) / "sft_features" / f"{key}.safetensors"
+    return Path(cache_dir) / "sft_features" / key
 
 
 def _feature_source(
@@ -243,7 +248,8 @@ def _feature_source(
     cache_dir: str | os.PathLike[str],
 ) -> FeatureCache | OnTheFlyFeatures:
     """Target features + the teacher's top-k soft labels (`teacher.topk`, null = the whole label vocabulary),
-    the target run in `teacher.dtype`: built once and cached (``cache``) or computed per batch."""
+    the target run in `teacher.dtype` on this rank's device: built once and cached (``cache``; the ranks of the
+    group share the pass, `FeatureCache.build`) or computed per batch."""
     aux, draft_ids = recipe.feature_ids, recipe.label_ids
     topk = teacher.kept(len(draft_ids))
     forward = forward_dtype(teacher.dtype)
@@ -258,6 +264,9 @@ def _feature_source(
             topk=topk,
             dtype=_DTYPES[dtype_name],
             forward=forward,
+            rank=world()[0],
+            world_size=world()[1],
+            barrier=_barrier,
         )
     if mode == "on_the_fly":
         return OnTheFlyFeatures(target, seqs, plens, aux, draft_ids, topk, forward)
@@ -298,42 +307,6 @@ def _sequences(trajectories: str | os.PathLike[str], max_seq_len: int) -> tuple[
     return seqs, [min(len(r.prompt_ids), max_seq_len) for r in rows]
 
 
-def build_feature_cache(
-    target: str | os.PathLike[str],
-    trajectories: str | os.PathLike[str],
-    *,
-    sft: SFTConfig,
-    draft: DraftConfig,
-    learner: LearnerConfig,
-    cache_dir: str | os.PathLike[str],
-    teacher: TeacherConfig | None = None,
-    max_seq_len: int = 1024,
-    seed: int = 0,
-) -> float:
-    """The feature cache file `run_sft` reads (``feature_mode="cache"``), built here if missing (the target
-    forward of every trajectory, in this process), so that data-parallel ranks only load it. Seconds spent."""
-    t0 = time.monotonic()
-    seqs, plens = _sequences(trajectories, max_seq_len)
-    # the features and labels a recipe needs do not depend on how its draft is initialised: skip the copy
-    recipe = build_recipe(
-        target, draft, seqs=seqs, prompt_lens=plens, init="random", start_from=sft.start_from, seed=seed
-    )
-    teacher, dtype_name = teacher or TeacherConfig(), resolve_dtype(learner.dtype)
-    if not _cache_path(Path(trajectories), recipe, teacher, dtype_name, cache_dir).is_file():
-        _feature_source(
-            Path(target),
-            Path(trajectories),
-            recipe,
-            seqs,
-            plens,
-            mode="cache",
-            teacher=teacher,
-            dtype_name=dtype_name,
-            cache_dir=cache_dir,
-        )
-    return time.monotonic() - t0
-
-
 def run_sft(
     target: str | os.PathLike[str],
     trajectories: str | os.PathLike[str],
@@ -356,7 +329,6 @@ def run_sft(
     rank: int = 0,
     world_size: int = 1,
     master: tuple[str, int] | None = None,
-    setup_s: float = 0.0,
 ) -> Path:
     """Train ``draft.kind``'s recipe on target trajectories; returns the final vLLM-loadable draft folder.
 
@@ -370,10 +342,10 @@ def run_sft(
     (the matched-FLOPs baseline, P1). ``sft.max_flops``: stop once draft + target FLOPs reach it.
 
     ``rank``, ``world_size``, ``master``: this process's place in the data-parallel group (module docstring);
-    only rank 0 emits metrics and shows progress. ``setup_s``: seconds already spent on this SFT elsewhere (the
-    driver's feature pass), charged to the wall-clock cap and reported in ``feature_s``.
+    only rank 0 emits metrics and shows progress. The ranks share the feature pass, each on its own device, and
+    each reads the cached rows of its share of a batch (`sft/features.py`).
     """
-    t0 = time.monotonic() - setup_s
+    t0 = time.monotonic()
     target, run_dir = Path(target), Path(run_dir)
     root = run_dir / "checkpoints" / "sft"
     if rank != 0:
@@ -384,6 +356,8 @@ def run_sft(
     recipe = build_recipe(
         target, draft, seqs=seqs, prompt_lens=plens, init=init, start_from=sft.start_from, seed=seed
     )
+    # the group first: the ranks split the feature pass and wait for each other's shards
+    init_process_group(learner.backend, rank=rank, world_size=world_size, master=master)
     source = _feature_source(
         target,
         Path(trajectories),
