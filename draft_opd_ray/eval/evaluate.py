@@ -27,6 +27,7 @@ from draft_opd_ray.rollout.engine import (
     Sampling,
     SpecDecodeEngine,
     all_cores,
+    async_by_default,
     speculative_config,
 )
 from draft_opd_ray.rollout.records import acceptance_per_position
@@ -50,10 +51,12 @@ def _measure(
     k: int,
     concurrency: Sequence[int],
     speed_prompts: int,
+    measured: tuple[dict[str, float], list[Any]],
 ) -> dict[str, Any]:
     """τ entry, per-position acceptance and tokens/s at each concurrency of one method on one eval set (the
-    first max(speed_prompts, c) prompts at concurrency c, so that c requests are in flight at once)."""
-    stats, recs = measure_all(engine, prompts, sampling)
+    first max(speed_prompts, c) prompts at concurrency c, so that c requests are in flight at once).
+    ``measured``: `measure_all` of ``prompts`` (by the recording engine); ``engine`` runs the speed runs."""
+    stats, recs = measured
     ok = [r for r in recs if not r.error]
     out: dict[str, Any] = {
         **tau_entry(stats, recs),
@@ -103,17 +106,22 @@ def evaluate(
     tau_before: dict[str, dict[str, Any]] = {}
     for kind, path in methods:
         first = str(before) if before is not None and kind == draft_kind else path
-        engine = SpecDecodeEngine(
-            target,
-            draft_kind=kind,
-            draft_path=first,
-            num_speculative_tokens=k,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel=tensor_parallel,
-            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
-        )
+
+        def start(draft: str | None, record: bool, kind: str = kind) -> SpecDecodeEngine:
+            return SpecDecodeEngine(
+                target,
+                draft_kind=kind,
+                draft_path=draft,
+                num_speculative_tokens=k,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel=tensor_parallel,
+                record=record,
+                cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
+            )
+
+        engine = start(first, record=True)
         try:
             if first != path:
                 from safetensors.torch import load_file
@@ -123,8 +131,13 @@ def evaluate(
                     print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
                 assert path is not None
                 engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
+            measured = {name: measure_all(engine, prompts, sampling) for name, prompts in datasets.items()}
+            if engine.record and async_by_default():
+                # speed as served: recording needs synchronous scheduling, vLLM's default on GPUs is async
+                engine.shutdown()
+                engine = start(path, record=False)
             for name, prompts in datasets.items():
-                res = _measure(engine, prompts, sampling, k, concurrency, speed_prompts)
+                res = _measure(engine, prompts, sampling, k, concurrency, speed_prompts, measured[name])
                 results[name][kind] = res
         finally:
             engine.shutdown()

@@ -79,6 +79,14 @@ def needs_eager() -> bool:
     return not torch.cuda.is_available()
 
 
+def async_by_default() -> bool:
+    """Whether vLLM schedules asynchronously unless told not to: on GPUs for every draft method we serve
+    (vLLM's `config/vllm.py`), never on CPU (`platforms/cpu.py` turns it off)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def all_cores() -> str:
     """The cores this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND`` list ("0-1" on this box)."""
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
