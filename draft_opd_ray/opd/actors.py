@@ -3,7 +3,7 @@
 start_actors   every slot of the plan as a Ray actor in its own bundle: R rollout workers, M replay actors,
                L learner ranks (one DeepSpeed data-parallel group meeting at rank 0)
 ReplayGroup    one step's sequences split over the M replay actors, balanced by the tokens each forward
-               scores, and the teacher items put back in order
+               scores, and the teacher items (or references to them and their summaries) put back in order
 LearnerGroup   one step on the L ranks: each mini-batch group split over the ranks (balanced by the student's
                block positions); the ranks sum the denominator first, so L ranks update exactly as one would
                on the whole group (tests/integration/test_scale_equivalence.py); rank 0 publishes and saves
@@ -23,8 +23,8 @@ from draft_opd_ray.errors import RunError
 from draft_opd_ray.opd.batch import (
     ReplayItem,
     TeacherItem,
+    TeacherSummary,
     balanced_shards,
-    learner_cost,
     replay_cost,
 )
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, ActorSlot, PlacementPlan
@@ -55,17 +55,35 @@ class ReplayGroup:
         self._deaths = [0] * len(self.actors)
 
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
+        """The teacher items themselves, fetched to the caller (tests, benchmarks; the loop uses `score_refs`)."""
+        return self._score(items, split=False)
+
+    def score_refs(self, items: Sequence[ReplayItem]) -> Scored:
+        """Object references to the teacher items, and their summaries: the items stay on the replay actors'
+        nodes until the learner ranks fetch them, so the driver neither receives nor re-puts the features."""
+        got = self._score(items, split=True)
+        return Scored([r for r, _ in got], [s for _, s in got])
+
+    def _call(self, j: int, shard: Sequence[ReplayItem], split: bool) -> Any:
+        if not split:
+            return self.actors[j].score.remote(list(shard))
+        # one return object per item (and the summaries first): each item is its own ref in the object store
+        return self.actors[j].score_split.options(num_returns=len(shard) + 1).remote(list(shard))
+
+    def _score(self, items: Sequence[ReplayItem], split: bool) -> list[Any]:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         shards = balanced_shards([replay_cost(it) for it in items], len(self.actors))
         self.last_shares = [len(s) for s in shards]
-        todo = {j: self.actors[j].score.remote([items[i] for i in s]) for j, s in enumerate(shards) if s}
-        out: list[TeacherItem | None] = [None] * len(items)
+        todo = {j: self._call(j, [items[i] for i in s], split) for j, s in enumerate(shards) if s}
+        out: list[Any] = [None] * len(items)
         while todo:
             j = next(iter(todo))
             ref = todo.pop(j)
             try:
-                got = wait_for(ref, f"replay actor {j}: score {len(shards[j])} sequences")
+                what = f"replay actor {j}: score {len(shards[j])} sequences"
+                # split: the summaries only (small); the items' refs are ready once they are
+                got = list(zip(ref[1:], wait_for(ref[0], what))) if split else wait_for(ref, what)
             except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
                 self._deaths[j] += 1
                 if self._deaths[j] > self.max_restarts:
@@ -79,12 +97,12 @@ class ReplayGroup:
                     self.on_restart(self.actors[j])
                 else:  # recorded replay holds no weights: only wait until Ray has it back
                     when_back(self.actors[j].scored_sequences.remote, f"restarted replay actor {j}")
-                todo[j] = self.actors[j].score.remote([items[i] for i in shards[j]])
+                todo[j] = self._call(j, [items[i] for i in shards[j]], split)
                 continue
             for i, t in zip(shards[j], got):
                 out[i] = t
         assert all(t is not None for t in out)
-        return out  # type: ignore[return-value]
+        return out
 
     def scored_sequences(self) -> list[int]:
 
@@ -92,6 +110,15 @@ class ReplayGroup:
             int(n)
             for n in wait_for([a.scored_sequences.remote() for a in self.actors], "replay actors: counts")
         ]
+
+
+@dataclass
+class Scored:
+    """One step's scored sequences as the driver holds them: object references to the `TeacherItem`s (in the
+    items' order) and their `TeacherSummary`s."""
+
+    refs: list[Any]
+    summaries: list[TeacherSummary]
 
 
 def merge_rank_rows(rows: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -117,19 +144,24 @@ class LearnerGroup:
         self.ranks = list(ranks)
         self.rank0 = self.ranks[0]
 
-    def shards(self, batch: Sequence[TeacherItem], mini_batches: int) -> list[list[list[TeacherItem]]]:
-        """[rank][group] -> that rank's sequences of that mini-batch group (the same groups on every rank)."""
-        from draft_opd_ray.opd.learner import split_mini_batches
+    def shards(self, batch: Sequence[TeacherItem] | Scored, mini_batches: int) -> list[list[list[Any]]]:
+        """[rank][group] -> that rank's sequences of that mini-batch group (the same groups on every rank): the
+        items themselves, or for `Scored` their object references, split by the summaries' sizes."""
+        from draft_opd_ray.opd.learner import split_by_anchors
 
-        groups = split_mini_batches(batch, mini_batches)
-        out: list[list[list[TeacherItem]]] = [[] for _ in self.ranks]
-        for g in groups:
-            for r, s in enumerate(balanced_shards([learner_cost(t) for t in g], len(self.ranks))):
-                out[r].append([g[i] for i in s])
+        if isinstance(batch, Scored):
+            items, sizes = list(batch.refs), list(batch.summaries)
+        else:
+            items, sizes = list(batch), [TeacherSummary.of(t) for t in batch]
+        out: list[list[list[Any]]] = [[] for _ in self.ranks]
+        for g in split_by_anchors([s.anchors for s in sizes], mini_batches):
+            costs = [sizes[i].learner_cost for i in g]
+            for r, s in enumerate(balanced_shards(costs, len(self.ranks))):
+                out[r].append([items[g[i]] for i in s])
         return out
 
-    def step(self, batch: Sequence[TeacherItem], mini_batches: int) -> dict[str, float]:
-
+    def step(self, batch: Sequence[TeacherItem] | Scored, mini_batches: int) -> dict[str, float]:
+        """One step on the ranks; with `Scored` each rank fetches its own items from the replay actors' nodes."""
         parts = self.shards(batch, mini_batches)
         from ray.exceptions import ActorDiedError, RayActorError
 

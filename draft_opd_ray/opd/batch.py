@@ -2,7 +2,9 @@
 
     ReplayItem   driver -> replay actor: one committed sequence and its selected anchors (recorded blocks)
     TeacherItem  replay actor -> learner: the same sequence scored by the target (features, teacher log-probs,
-                 acceptance recomputed), in the draft's vocabulary
+                 acceptance recomputed), in the draft's vocabulary; it goes from the replay actor's node to
+                 the learner rank's as an object reference
+    TeacherSummary  replay actor -> driver: its sizes and agreement counts, no tensors
 Positions are indices into the committed sequence x = prompt + response (docs/design.md, "Records"): anchor n is
 the last committed token before a block, block position k = 1..K has context x_{<=n} y_{<k}.
 """
@@ -31,7 +33,8 @@ class ReplayItem:
 @dataclass
 class TeacherItem:
     input_ids: torch.Tensor  # (T,) long
-    features: torch.Tensor  # (T, A*H) target aux hidden states (HF hidden_states[i], i in aux ids)
+    # (T, A*H) target aux hidden states (HF hidden_states[i], i in aux ids), in the target's precision
+    features: torch.Tensor
     anchor_pos: torch.Tensor  # (N,) long
     drafted: torch.Tensor  # (N, K) long, right-padded with 0
     valid_len: torch.Tensor  # (N,) long, K' <= K positions that have a teacher
@@ -58,6 +61,28 @@ class TeacherItem:
         learner rank's share is balanced by)."""
         branch = (self.valid_len - self.accepted - 1).clamp(min=0)
         return int(len(self.input_ids) + branch.sum())
+
+
+@dataclass(frozen=True)
+class TeacherSummary:
+    """What the driver needs of one scored sequence, without its tensors: the sizes it shards the learner's
+    mini-batches by and the step's metrics. The `TeacherItem` itself stays in the object store of the replay
+    actor's node until a learner rank fetches it (`ReplayGroup.score_refs`)."""
+
+    anchors: int  # N
+    learner_cost: int  # `learner_cost`
+    scored_tokens: int  # `TeacherItem.scored_tokens`
+    target_ran: bool  # the replay ran the target (not for a standalone draft's sft_on_rollouts)
+    agree: int  # anchors whose greedy acceptance under replay equals the recorded one
+    payload_bytes: int  # `payload_bytes`
+
+    @staticmethod
+    def of(t: TeacherItem) -> TeacherSummary:
+        ran = t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
+        agree = int((t.accepted == t.replay_accepted).sum())
+        return TeacherSummary(
+            len(t.anchor_pos), learner_cost(t), t.scored_tokens(), ran, agree, payload_bytes(t)
+        )
 
 
 def committed_blocks(t: TeacherItem) -> torch.Tensor:

@@ -42,24 +42,40 @@ from draft_opd_ray.optim import (
 
 def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
     """min(parts, len(batch)) consecutive groups of whole sequences with about equal anchor counts, none empty."""
+    return [[batch[i] for i in g] for g in split_by_anchors([len(b.anchor_pos) for b in batch], parts)]
+
+
+def split_by_anchors(anchors: Sequence[int], parts: int) -> list[list[int]]:
+    """`split_mini_batches` on the sequences' anchor counts alone: the groups' indices (what the driver can
+    compute from `TeacherSummary`s without the items)."""
     if parts < 1:
         raise ValueError(f"mini_batches must be >= 1, got {parts}")
-    parts = min(parts, len(batch))
-    total = sum(len(b.anchor_pos) for b in batch)
-    groups: list[list[TeacherItem]] = [[]]
+    parts = min(parts, len(anchors))
+    total = sum(anchors)
+    groups: list[list[int]] = [[]]
     seen = 0
-    for i, b in enumerate(batch):
+    for i, n in enumerate(anchors):
         # a new group once this one holds its share of the anchors, or when each later group needs one of the rest
-        left = len(batch) - i
+        left = len(anchors) - i
         if (
             groups[-1]
             and len(groups) < parts
             and (seen >= total * len(groups) / parts or left <= parts - len(groups))
         ):
             groups.append([])
-        groups[-1].append(b)
-        seen += len(b.anchor_pos)
+        groups[-1].append(i)
+        seen += n
     return groups
+
+
+def _fetch(groups: Sequence[Sequence[Any]]) -> list[list[TeacherItem]]:
+    """The groups with every object reference replaced by its `TeacherItem` (one `ray.get` for all of them)."""
+    if all(isinstance(t, TeacherItem) for g in groups for t in g):
+        return [list(g) for g in groups]
+    import ray
+
+    got = iter(ray.get([t for g in groups for t in g]))
+    return [[next(got) for _ in g] for g in groups]
 
 
 class Learner:
@@ -141,8 +157,9 @@ class Learner:
         """One Draft-OPD step of this rank: one optimizer update per group, of this rank's share of that group
         (possibly none). Every rank of the group gets the same number of groups; the denominator of each update
         is summed over the ranks first, so the ranks' gradients add up to the whole group's. Returns this rank's
-        sums (the driver adds the ranks': `LearnerGroup.step`)."""
-        rows = [self._update(g) for g in groups]
+        sums (the driver adds the ranks': `LearnerGroup.step`). The items may come as object references (the
+        loop's path: `ReplayGroup.score_refs`): they are fetched here, from the replay actors' nodes."""
+        rows = [self._update(g) for g in _fetch(groups)]
         nonfinite = float(sum("nonfinite" in r for r in rows))
         done = [r for r in rows if "skipped" not in r and "nonfinite" not in r]
         if not done:  # nothing applied: the weights are still the last published version

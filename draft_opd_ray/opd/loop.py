@@ -432,9 +432,11 @@ def _one_step(
         metrics.log("opd", step + 1, tau=tau(records), skipped="no anchors")
         return None
     t1 = time.time()
-    teacher = actors.replay.score(items)
+    # the teacher items go from the replay actors' nodes to the learner ranks' as object references; the
+    # driver reads only their summaries (sizes for the sharding, counts for the metrics)
+    scored = actors.replay.score_refs(items)
     t2 = time.time()
-    out = actors.learner.step(teacher, cfg.learner.mini_batches)
+    out = actors.learner.step(scored, cfg.learner.mini_batches)
     t3 = time.time()
     if "skipped" in out:
         _count_nonfinite(cfg, state, out, step, run_dir)
@@ -449,8 +451,9 @@ def _one_step(
         return None
     state.nonfinite_run = 0
     flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
+    summaries = scored.summaries
     flops["flops_target"] += sum(
-        target_forward_flops(info, 1, t.scored_tokens()) for t in teacher if _target_ran(t)
+        target_forward_flops(info, 1, t.scored_tokens) for t in summaries if t.target_ran
     )
     flops["flops_rollout"] += sum(
         rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
@@ -474,7 +477,8 @@ def _one_step(
         learner_s=round(t3 - t2, 2),
         publish_s=round(time.time() - t3, 2),
         step_s=round(time.time() - t0, 2),
-        replay_accept_agree=_agreement(teacher),
+        replay_accept_agree=sum(t.agree for t in summaries) / max(1, sum(t.anchors for t in summaries)),
+        replay_payload_mb=round(sum(t.payload_bytes for t in summaries) / 2**20, 3),
         learner_world_size=actors.world_size,
         records=len(records),
         rollout_restarts=rounds.restarts,
@@ -537,14 +541,3 @@ def plot_tau(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "opd_tau.png", dpi=100)
     plt.close(fig)
-
-
-def _target_ran(t: Any) -> bool:
-    """Whether the replay ran the target for this sequence (not for a standalone draft's sft_on_rollouts)."""
-    return t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
-
-
-def _agreement(teacher: Sequence[Any]) -> float:
-    """Share of anchors whose greedy acceptance under replay equals the recorded one (HF vs vLLM numerics)."""
-    pairs = [(int(a), int(b)) for t in teacher for a, b in zip(t.accepted, t.replay_accepted)]
-    return sum(a == b for a, b in pairs) / max(1, len(pairs))

@@ -22,11 +22,12 @@ acceptance; random anchors (no recorded block) need this mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from draft_opd_ray.device import actor_device, node_threads
-from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, pack_branches
+from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, TeacherSummary, pack_branches
 from draft_opd_ray.opd.refit import RefitAck
 
 
@@ -92,6 +93,13 @@ class ReplayActor:
         self.scored += len(items)
         return [self._score_one(it).to("cpu") for it in items]
 
+    def score_split(self, items: Sequence[ReplayItem]) -> list[Any]:
+        """`score` as separate return objects (call with ``num_returns=len(items) + 1``): the summaries the driver
+        reads, then every `TeacherItem`, which stays in this node's object store until a learner rank fetches
+        it (`ReplayGroup.score_refs`): the driver never holds the features."""
+        out = self.score(items)
+        return [[TeacherSummary.of(t) for t in out], *out]
+
     def scored_sequences(self) -> int:
         """How many sequences this actor has scored so far."""
         return self.scored
@@ -154,7 +162,7 @@ class ReplayActor:
         feats = torch.zeros(T, 0)
         if self.aux:
             out = self.model(ids[None].to(self.device), output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float().cpu()
+            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).cpu()  # target's dtype
         drafted = torch.zeros(N, K, dtype=torch.long)
         for j, y in enumerate(it.drafted):
             drafted[j, : min(len(y), K)] = torch.tensor(y[:K], dtype=torch.long)
@@ -209,7 +217,7 @@ class ReplayActor:
             teacher = None
         return TeacherItem(
             torch.tensor(it.input_ids),
-            feats.float(),
+            feats,  # in the target's precision (teacher.dtype): bfloat16 ships half the bytes of float32
             torch.tensor(it.anchor_pos),
             drafted,
             valid,
