@@ -213,4 +213,9 @@ def validate(cfg: Config) -> PlacementPlan:
     _check_data(cfg)
     _check_cache_dir(cfg)
     _check_draft_against_target(cfg)
-    return plan_for(cfg)
+    plan = plan_for(cfg)
+    if "opd" in cfg.stages:  # the weight transport the placement allows (NCCL: no GPU shared with the sender)
+        from draft_opd_ray.opd.nccl_sync import plan_weight_sync
+
+        plan_weight_sync(cfg.rollout.weight_sync, plan)
+    return plan

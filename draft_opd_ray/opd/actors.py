@@ -270,12 +270,12 @@ def _rollout_workers(
 ) -> list[Any]:
     import ray
 
-    from draft_opd_ray.opd.nccl_sync import weight_sync_kind
+    from draft_opd_ray.opd.nccl_sync import plan_weight_sync
     from draft_opd_ray.rollout.worker import RolloutWorker
 
     ncores = os.cpu_count() or 1
     c = cfg.cluster
-    nccl = weight_sync_kind(cfg.rollout.weight_sync, c.num_nodes, c.gpus_per_node) == "nccl"
+    nccl = plan_weight_sync(cfg.rollout.weight_sync, plan) == "nccl"
     return [
         ray.remote(RolloutWorker)
         .options(**opts(ROLLOUT, s.index), max_restarts=c.max_restarts)  # a killed engine comes back

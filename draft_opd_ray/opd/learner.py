@@ -310,8 +310,13 @@ class Learner:
         return free_endpoint()
 
     def nccl_open(self, address: str, port: int, world_size: int) -> None:
+        """Join a new group as its sender; a group formed before (re-formed after an engine restarted) is
+        dropped first."""
         from draft_opd_ray.opd.nccl_sync import NcclSender
 
+        old = getattr(self, "_sender", None)
+        if old is not None:
+            old.close()
         self._sender = NcclSender(address, port, world_size)
 
     def nccl_send(self) -> None:

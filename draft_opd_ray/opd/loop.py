@@ -82,14 +82,20 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
 
 
 def make_weight_sync(
-    cfg: Config, receivers: Sequence[Any], sender: Any = None, engines: Sequence[Any] | None = None
+    cfg: Config,
+    receivers: Sequence[Any],
+    sender: Any = None,
+    engines: Sequence[Any] | None = None,
+    plan: PlacementPlan | None = None,
 ) -> WeightSync:
-    """rollout.weight_sync (`nccl_sync.weight_sync_kind`): auto = NCCL from the learner's rank 0 (``sender``)
-    into the vLLM ``engines`` on a GPU cluster, else one shared-memory file per version on a single node, Ray's
-    object store across nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, weight_sync_kind
+    """rollout.weight_sync (`nccl_sync.plan_weight_sync`): auto = NCCL from the learner's rank 0 (``sender``)
+    into the vLLM ``engines`` on a GPU cluster where the sender has a GPU of its own in the placement ``plan``
+    (default: the config's), else one shared-memory file per version on a single node, Ray's object store across
+    nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
+    from draft_opd_ray.config.validate import plan_for
+    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, plan_weight_sync
 
-    kind = weight_sync_kind(cfg.rollout.weight_sync, cfg.cluster.num_nodes, cfg.cluster.gpus_per_node)
+    kind = plan_weight_sync(cfg.rollout.weight_sync, plan or plan_for(cfg))
     if kind == "nccl":
         if sender is None or engines is None:
             raise ValueError("the nccl weight sync needs the learner's rank 0 and the rollout engines")
@@ -308,7 +314,7 @@ def run_opd(
     actors = start_actors(cfg, plan, target, last, total_updates, reservation=reservation)
     sync: WeightSync | None = None
     try:
-        sync = _resume_actors(cfg, actors, saved, start_step)
+        sync = _resume_actors(cfg, actors, saved, start_step, plan)
         sampling = Sampling(
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
@@ -328,7 +334,7 @@ def run_opd(
             sampling,
             submitted=int(saved.get("rounds_submitted", 0)),
             ready=_saved_rounds(resume, saved),
-            on_restart=lambda w: _restore_receiver(actors, w, state.version, "rollout worker"),
+            on_restart=lambda w: _restart_worker(actors, sync, w, state.version),
             max_restarts=cfg.cluster.max_restarts,
         )
         if cfg.replay.mode == "redraft":  # a restarted replay actor redrafts with the current weights
@@ -377,7 +383,17 @@ def _restore_receiver(actors: Actors, receiver: Any, version: int, role: str) ->
     when_back(lambda: receiver.load_draft_weights.remote(weights, version), f"restarted {role}: load weights")
 
 
-def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int) -> WeightSync:
+def _restart_worker(actors: Actors, sync: WeightSync | None, worker: Any, version: int) -> None:
+    """A restarted rollout worker: the weight sync learns of it first (NCCL re-forms its group before the next
+    publication, or raises when a broadcast can no longer complete), then it gets the current weights."""
+    if sync is not None:
+        sync.restarted(worker)
+    _restore_receiver(actors, worker, version, "rollout worker")
+
+
+def _resume_actors(
+    cfg: Config, actors: Actors, saved: dict[str, Any], start_step: int, plan: PlacementPlan | None = None
+) -> WeightSync:
     """Restore a resumed run's optimizer states and versions; the weight sync to the receivers."""
 
     redraft = cfg.replay.mode == "redraft"
@@ -391,7 +407,7 @@ def _resume_actors(cfg: Config, actors: Actors, saved: dict[str, Any], start_ste
                 [a.set_draft_version.remote(start_step) for a in actors.replay.actors], "replay: set version"
             )
     receivers = [*actors.workers, *actors.replay.actors] if redraft else actors.workers
-    sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers)
+    sync = make_weight_sync(cfg, receivers, sender=actors.learner.rank0, engines=actors.workers, plan=plan)
     sync.version = int(saved.get("version", start_step))
     return sync
 

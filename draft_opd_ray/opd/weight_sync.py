@@ -99,6 +99,12 @@ class WeightSync(Protocol):
         """Free the transport; ``wait`` first checks the refits still pending (False: after a failure)."""
         ...
 
+    def restarted(self, receiver: Any) -> None:
+        """Ray restarted ``receiver`` (the loop then gives it the current weights): a transport that keeps
+        state in the receivers (NCCL's group) rebuilds it before the next publication; the file and object-store
+        transports keep none."""
+        ...
+
 
 def _actor_died() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -188,6 +194,9 @@ class ObjectStoreWeightSync:
         if wait:
             self.wait()
 
+    def restarted(self, receiver: Any) -> None:
+        pass  # every version is read afresh from the object store
+
 
 class SharedFileWeightSync:
     """All receivers on the publisher's node (module docstring). Receivers need `load_draft_weights_file`."""
@@ -238,6 +247,9 @@ class SharedFileWeightSync:
 
     def wait(self) -> list[int]:
         return self._reap(block=True)
+
+    def restarted(self, receiver: Any) -> None:
+        pass  # every version is a file path: nothing lives in the receiver
 
     def close(self, wait: bool = True) -> None:
         import shutil

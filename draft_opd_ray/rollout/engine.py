@@ -281,7 +281,9 @@ class SpecDecodeEngine:
 
     def nccl_init(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the sender's NCCL group (vLLM's weight-transfer engine, backend "nccl"), this engine's ranks at
-        ``rank_offset`` + tensor-parallel rank."""
+        ``rank_offset`` + tensor-parallel rank. A group joined before is dropped first (it is re-formed when
+        an engine restarted, `NcclWeightSync.restarted`)."""
+        self.llm.shutdown_weight_transfer_engine()
         self.llm.init_weight_transfer_engine(
             {
                 "init_info": {
