@@ -90,7 +90,7 @@ def committed_blocks(t: TeacherItem) -> torch.Tensor:
     x_{n+k}; -1 after the first rejection, past the sequence's end and past K'."""
     N, K = t.drafted.shape
     T = len(t.input_ids)
-    j = torch.arange(K)[None, :]  # k - 1
+    j = torch.arange(K, device=t.anchor_pos.device)[None, :]  # k - 1, on the item's device
     pos = t.anchor_pos[:, None] + j + 1  # (N, K)
     ok = (j <= t.accepted[:, None]) & (j < t.valid_len[:, None]) & (pos < T)
     return torch.where(ok, t.input_ids[pos.clamp(max=T - 1)], -1)

@@ -78,6 +78,16 @@ def _fetch(groups: Sequence[Sequence[Any]]) -> list[list[TeacherItem]]:
     return [[next(got) for _ in g] for g in groups]
 
 
+def student_vocabulary(draft_ids: Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
+    """(max id + 1,) target id -> student vocabulary index (-1: not in it), on ``device``; None: the student has
+    the target's vocabulary."""
+    if draft_ids is None:
+        return None
+    to_student = torch.full((max(draft_ids) + 1,), -1, dtype=torch.long, device=device)
+    to_student[torch.tensor(list(draft_ids), device=device)] = torch.arange(len(draft_ids), device=device)
+    return to_student
+
+
 class Learner:
     def __init__(
         self,
@@ -136,13 +146,7 @@ class Learner:
             lr_lambda=lambda s: update_lr_factor(s, total_steps, warmup_ratio, schedule),
         )
         self.version = 0
-        ids = self.student.draft_ids
-        # target id -> student vocabulary index (-1: not in it); None: the student has the target's vocabulary
-        self.to_student: torch.Tensor | None = None
-        if ids is not None:
-            self.to_student = torch.full((max(ids) + 1,), -1, dtype=torch.long)
-            self.to_student[torch.tensor(ids)] = torch.arange(len(ids))
-            self.to_student = self.to_student.to(self.device)
+        self.to_student = student_vocabulary(self.student.draft_ids, self.device)
 
     def step(self, batch: Sequence[TeacherItem], mini_batches: int = 1) -> dict[str, float]:
         """One Draft-OPD step: `mini_batches` optimizer updates over the step's anchors (verl's PPO mini-batches).
@@ -177,11 +181,21 @@ class Learner:
         return out
 
     def _student_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids -> the student's vocabulary (-1 where it has no such token)."""
+        """Target ids -> the student's vocabulary (-1 where it has no such token), on the map's device (the
+        learner's) whatever device ``target_ids`` come on."""
         if self.to_student is None:
             return target_ids
-        inside = target_ids < len(self.to_student)
-        return torch.where(inside, self.to_student[target_ids.clamp(max=len(self.to_student) - 1)], -1)
+        ids = target_ids.to(self.to_student.device)
+        inside = ids < len(self.to_student)
+        return torch.where(inside, self.to_student[ids.clamp(max=len(self.to_student) - 1)], -1)
+
+    def _sft_labels(self, b: TeacherItem) -> tuple[torch.Tensor, torch.Tensor]:
+        """sft_on_rollouts: (N, K) the committed tokens in the student's vocabulary, and (N, K) where they count
+        (valid block positions with a committed token the student has); on the labels' device."""
+        labels = self._student_ids(committed_blocks(b))
+        K = labels.shape[1]
+        mask = torch.arange(K, device=labels.device)[None, :] < b.valid_len.to(labels.device)[:, None]
+        return labels, mask & (labels >= 0)
 
     def _inputs(
         self, b: TeacherItem, rows: torch.Tensor, mask: torch.Tensor
@@ -218,18 +232,15 @@ class Learner:
         hidden = self.student.block_hidden(b)  # (N, K, H)
         mask = torch.arange(K, device=self.device)[None, :] < b.valid_len[:, None]  # (N, K)
         if self.objective == "sft_on_rollouts":
-            labels = self._student_ids(committed_blocks(b))
-            keep = mask & (labels >= 0)
+            labels, keep = self._sft_labels(b)
             return sft_terms(hidden[keep] @ self.student.lm_head.T, labels[keep])
         return objective_terms(self._inputs(b, hidden[mask], mask), b.accepted, b.valid_len, K, self.spec)
 
     def _denominator(self, batch: Sequence[TeacherItem]) -> float:
         """This rank's share of the denominator, from the anchors alone (before any forward)."""
         K = batch[0].drafted.shape[1]
-        if self.objective == "sft_on_rollouts":
-            mask = [torch.arange(K)[None, :] < b.valid_len[:, None] for b in batch]
-            labels = [self._student_ids(committed_blocks(b).to(self.device)).cpu() for b in batch]
-            return float(sum(int((m & (lab >= 0)).sum()) for m, lab in zip(mask, labels)))
+        if self.objective == "sft_on_rollouts":  # the items may be on the CPU (as they arrive) or the device
+            return float(sum(int(self._sft_labels(b)[1].sum()) for b in batch))
         acc = torch.cat([b.accepted for b in batch])
         valid = torch.cat([b.valid_len for b in batch])
         return denominator(acc, valid, K, self.spec)
