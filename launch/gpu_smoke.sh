@@ -60,13 +60,13 @@ common=(
   target.path=embedded:smollm2-135m-instruct target.dtype=bfloat16 draft=eagle3 wandb.mode=disabled
   rollout.temperature=0 rollout.max_new_tokens=64 rollout.prompts_per_round=8 opd.steps=3
 )
-# one: 48 answers of <= 128 tokens to prompts of <= 128 tokens, one epoch of ~1 sequence per 256-token batch
-# (~50 SFT steps; sft.reuse=false so a rerun trains again), Draft-OPD on the 32 train prompts after them, the
-# evaluation on 16 held-out prompts at concurrency 1 without the ngram baseline.
+# one: 50 answers of <= 128 tokens to prompts of <= 128 tokens, one epoch in 128-token batches, so nearly every
+# sequence is a step of its own (~50 SFT steps; sft.reuse=false so a rerun trains again), Draft-OPD on the 32
+# train prompts after them, the evaluation on 16 held-out prompts at concurrency 1 without the ngram baseline.
 one=(
   +cluster=gpu_shared "stages=[sft,opd,eval]" rollout.weight_sync=shm_file
-  data.train.max_prompts=80 data.train.max_prompt_tokens=128 data.eval.max_prompts=16
-  sft.num_prompts=48 sft.max_new_tokens=128 sft.batch_tokens=256 sft.train_tokens=null sft.epochs=1
+  data.train.max_prompts=82 data.train.max_prompt_tokens=128 data.eval.max_prompts=16
+  sft.num_prompts=50 sft.max_new_tokens=128 sft.batch_tokens=128 sft.train_tokens=null sft.epochs=1
   sft.reuse=false eval.max_new_tokens=64 "eval.concurrency=[1]" "eval.baselines=[]"
 )
 # multi: a fresh head (no SFT) at a larger step than the warm-start default so 3 steps move it; GPU shares:
