@@ -152,7 +152,8 @@ def check() -> int:
     try:
         import ray
 
-        ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of its own even where RAY_ADDRESS names a cluster
+        ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
         seen = ray.get(ray.remote(num_gpus=0.5)(lambda: __import__("torch").cuda.device_count()).remote())
         ray.shutdown()
         if seen < 1:
@@ -190,9 +191,10 @@ def stage_summaries(
     """The run in ``run_dir`` (a `main` run with some of sft, opd, eval) as one dict per stage it ran: status
     (PASS / FAIL), the numbers that show it worked, and why it failed."""
     rows = _rows(run_dir)
+    planned = _planned_stages(run_dir)
     out: list[dict[str, Any]] = []
     sft = [r for r in rows if r.get("stage") == "sft" and "loss" in r]
-    if sft or (run_dir / "warm_start").is_file():
+    if sft or (run_dir / "warm_start").is_file() or "sft" in planned:
         s: dict[str, Any] = {"stage": f"{name}/sft", "steps": len(sft)}
         if sft:
             s.update(loss_first=sft[0]["loss"], loss_last=sft[-1]["loss"], tokens=sft[-1].get("tokens"))
@@ -201,7 +203,7 @@ def stage_summaries(
             s["why"] = "no SFT step logged (a cached warm start was reused: sft.reuse=false)"
         out.append(s)
     opd = [r for r in rows if r.get("stage") == "opd"]
-    if opd or expect_opd_steps:
+    if opd or expect_opd_steps or "opd" in planned:
         done = sorted(int(r["step"]) for r in opd if "loss" in r)
         o: dict[str, Any] = {
             "stage": f"{name}/opd",
@@ -217,8 +219,8 @@ def stage_summaries(
             o["why"] = f"opd steps logged {done}, expected {want}"
         out.append(o)
     report = run_dir / "eval" / "report.json"
-    if report.is_file():
-        datasets = json.loads(report.read_text()).get("datasets", {})
+    if report.is_file() or "eval" in planned:
+        datasets = json.loads(report.read_text()).get("datasets", {}) if report.is_file() else {}
         e: dict[str, Any] = {"stage": f"{name}/eval", "datasets": {}}
         for ds, d in datasets.items():
             e["datasets"][ds] = {
@@ -241,6 +243,20 @@ def stage_summaries(
     for s in out:
         s["run_wall_s"] = round(wall_s, 1)
     return out
+
+
+def _planned_stages(run_dir: Path) -> list[str]:
+    """The stages the run was started with (Hydra's `.hydra/config.yaml` in its dir), [] when it has none."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return []
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        return [str(x) for x in cfg.get("stages", [])] if isinstance(cfg, dict) else []
+    except Exception:  # a torn file: the stages' own traces decide
+        return []
 
 
 def _finite(x: Any) -> bool:

@@ -117,6 +117,20 @@ def test_report_has_one_line_per_stage_and_a_json(tmp_path: Path, capsys: pytest
     ]
 
 
+def test_a_planned_stage_that_never_started_fails(tmp_path: Path) -> None:
+    """The run died in its sft stage (no row logged): sft, opd and eval are each reported, sft first as FAIL."""
+    d = tmp_path / "one"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "config.yaml").write_text("stages: [sft, opd, eval]\n")
+    stages = stage_summaries(d, 1, 30.0, "one", 3)
+    assert [(s["stage"], s["status"]) for s in stages] == [
+        ("one/sft", "FAIL"),
+        ("one/opd", "FAIL"),
+        ("one/eval", "FAIL"),
+    ]
+    assert "exit code 1" in stages[0]["why"]
+
+
 def test_report_names_the_stage_that_failed(tmp_path: Path) -> None:
     d = _run_dir(tmp_path, 2, before=False)  # the run died after opd step 2
     stages = stage_summaries(d, 1, 100.0, "one", 3)
