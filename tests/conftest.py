@@ -1,8 +1,9 @@
 """Fixtures shared by every tier: one torch thread per test module, the embedded target, the tiny target built
 from it, SFT trajectories and a replay case on the tiny target.
 
-Tiers: `tests/unit` (no vLLM engine, Ray cluster or DeepSpeed engine; `make test-fast`), `tests/integration`
-(marked `vllm`, `ray`, `deepspeed`), `tests/e2e` (marked `slow`; `make test-slow`).
+Tiers: `tests/unit` (no vLLM engine, Ray cluster or DeepSpeed engine; `make test-fast`), `tests/conformance`
+(our engine arguments and extension points against the installed vLLM's GPU-side code, without a GPU or an
+engine), `tests/integration` (marked `vllm`, `ray`, `deepspeed`), `tests/e2e` (marked `slow`; `make test-slow`).
 """
 
 from __future__ import annotations
