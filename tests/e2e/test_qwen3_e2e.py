@@ -97,9 +97,10 @@ def test_qwen3_target_through_sft_opd_and_eval(tmp_path: Path) -> None:
     assert [m["step"] for m in opd] == [1, 2] and all(m["loss"] > 0 for m in opd)
     assert [m["policy_version"] for m in opd] == [1, 2]
 
-    # the SFT export is what the opd stage started from; both stages left a complete checkpoint
-    sft_latest = (run_dir / "checkpoints" / "sft" / "latest").read_text().strip()
-    assert (run_dir / "checkpoints" / "sft" / sft_latest / "draft" / "config.json").is_file()
+    # both stages left a complete checkpoint; the SFT export is what the opd stage started from (eval below)
+    sft_root = run_dir / "checkpoints" / "sft"
+    sft_draft = sft_root / (sft_root / "latest").read_text().strip() / "draft"
+    assert (sft_draft / "config.json").is_file()
     assert (run_dir / "checkpoints" / "opd" / "latest").read_text().strip() == "step_2"
     draft = run_dir / "checkpoints" / "opd" / "step_2" / "draft"
     head = json.loads((draft / "config.json").read_text())
@@ -118,7 +119,7 @@ def test_qwen3_target_through_sft_opd_and_eval(tmp_path: Path) -> None:
     (entry,) = report["datasets"].values()
     assert entry["n"] >= 1 and len(entry["per_prompt"]) == 4
     assert math.isfinite(entry["tau"]) and entry["tau"] >= 1 and math.isfinite(entry["tau_vllm"])
-    assert entry["before"]["tau"] >= 1  # τ of the SFT export, measured in the same engine
+    assert Path(report["draft_before"]) == sft_draft and entry["before"]["tau"] >= 1  # measured in one engine
     assert any(m["stage"] == "eval" and m["tau"] == entry["tau"] for m in metrics)
 
     # the exported head means the same to vLLM (its Qwen3 aux hidden states) as to this project's EAGLE-3 code:
