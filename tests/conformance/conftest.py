@@ -10,11 +10,20 @@ checked against the installed vLLM's GPU-side code without a GPU and without sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def engine_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`SpecDecodeEngine` sets VLLM_CPU_KVCACHE_SPACE for the engine process it starts: undone after each test,
+    so that no later test in the session inherits it."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    yield
 
 
 @pytest.fixture(scope="package")
