@@ -4,8 +4,9 @@
     sft       warm start (or baseline) of the draft                      -> checkpoints/sft/...
     opd       the Draft-OPD loop on Ray (draft_opd_ray.opd.loop)          -> checkpoints/opd/...
     eval      τ, per-position acceptance, speed-up, ngram beside it       -> eval/report.{json,md}, plots
-Around the stages that run on Ray (RAY_STAGES): connect, check cluster.storage_dir, reserve the plan
-(draft_opd_ray.cluster); the reservation is released and Ray shut down after the last stage.
+Around the stages that run on Ray (`ray_stages`): connect, check cluster.storage_dir, reserve the plan
+(draft_opd_ray.cluster); the reservation is released and Ray shut down after the last stage. With a reservation the
+driver holds no model: the SFT answers and eval's engines run in a rollout bundle (`slot_call`).
 Everything heavy starts only after the config and the data have been checked.
 """
 
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
 
 # Stages whose actors run on Ray: the run connects and reserves the plan once, before the first stage.
 RAY_STAGES = ("sft", "opd")
+
+
+def ray_stages(cfg: Config) -> tuple[str, ...]:
+    """The stages that need the reservation. On a GPU cluster eval too: its engines then run in a rollout bundle,
+    on GPUs Ray accounts for, never on the driver's node's GPU (`slot_call`)."""
+    return (*RAY_STAGES, "eval") if cfg.cluster.gpus_per_node > 0 else RAY_STAGES
 
 
 def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
@@ -131,12 +138,18 @@ def eval_stage(
     stop: tuple[int, ...],
     run_dir: Path,
     metrics: MetricsLogger,
+    reservation: Reservation | None = None,
 ) -> None:
     """The evaluation report (τ before/after, acceptance, speed-up, baselines), logged and printed; answers
-    stop at any of ``stop`` (the target's eos ids)."""
+    stop at any of ``stop`` (the target's eos ids). Its engines run in the reservation's rollout bundle 0 when
+    there is one (`slot_call`)."""
     from draft_opd_ray.eval.evaluate import evaluate
+    from draft_opd_ray.slot_call import call_in_slot
 
-    report = evaluate(
+    report = call_in_slot(
+        reservation,
+        "eval: the engines",
+        evaluate,
         target=target,
         draft_kind=cfg.draft.kind,
         draft_path=draft,
@@ -172,7 +185,7 @@ def ray_session(
 ) -> AbstractContextManager[Reservation | None]:
     """Ray around the stages that need it: connected, storage checked and the plan reserved before the first
     stage (so a cluster that cannot run the plan fails before any model loads), released after the last."""
-    if not set(RAY_STAGES) & set(cfg.stages):
+    if not set(ray_stages(cfg)) & set(cfg.stages):
         return contextlib.nullcontext()
     from draft_opd_ray.cluster import session
 
@@ -252,6 +265,6 @@ def run_stages(
                 cfg, plan, target, draft, opd_prompts(cfg, train), stop, rd, metrics, reservation
             )
         if "eval" in cfg.stages:
-            eval_stage(cfg, target, draft, start_draft, held_out, stop, rd, metrics)
+            eval_stage(cfg, target, draft, start_draft, held_out, stop, rd, metrics, reservation)
     finally:
         metrics.close()

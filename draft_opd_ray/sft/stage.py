@@ -5,7 +5,8 @@ the SFT/draft settings, so later runs with the same settings reuse it (`sft.reus
 
 Where it trains: with a ``reservation`` (a run on Ray) on the `cluster.learner_ranks` learner ranks, as one
 data-parallel group (`sft/ranks.py`), which also share the target's feature pass on their devices; without one
-in this process, as a group of one. The answers (vLLM) are made here in either case.
+in this process, as a group of one. The answers (vLLM) are made in the reservation's rollout bundle 0
+(`slot_call`), or here without one.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def run_sft_stage(
     from draft_opd_ray.models.target import default_cache_dir, read_target_info
     from draft_opd_ray.models.target import stop_token_ids as target_stops
     from draft_opd_ray.sft.data import answer_trajectories, generate_trajectories, mix_trajectories
+    from draft_opd_ray.slot_call import call_in_slot
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -135,7 +137,10 @@ def run_sft_stage(
         print(f"[sft] reusing warm start {warm}", flush=True)
         (run_dir / "warm_start").write_text(f"{warm}\n")  # which cached draft this run's sft stage was
         return warm
-    traj = generate_trajectories(
+    traj = call_in_slot(  # a vLLM engine over the target: in a rollout bundle when Ray runs the stage
+        reservation,
+        "sft: the target's answers",
+        generate_trajectories,
         target,
         prompts,
         cache,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draft_opd_ray.config.schema import Config, DraftConfig, SFTConfig
-from draft_opd_ray.driver import initial_draft, opd_prompts
+from draft_opd_ray.config.schema import ClusterConfig, Config, DraftConfig, SFTConfig
+from draft_opd_ray.driver import initial_draft, opd_prompts, ray_stages
 from draft_opd_ray.errors import ConfigError
 
 
@@ -43,3 +43,10 @@ def test_initial_draft_is_a_fresh_eagle3_head(tiny_target: Path, tmp_path: Path)
     assert load_eagle3(out, tiny_target).config.aux_layer_ids == (1, 2, 3)
     with pytest.raises(ConfigError, match="draft.path: a standalone draft needs draft.path or the sft stage"):
         initial_draft(_cfg(draft=DraftConfig(kind="standalone")), str(tiny_target), tmp_path)
+
+
+def test_eval_joins_the_reservation_on_gpu_clusters_only() -> None:
+    """On a GPU cluster even `stages=[eval]` reserves the plan, so eval's engines run in a rollout bundle
+    (`slot_call`) and never on a GPU of the driver's node that Ray does not account for."""
+    assert "eval" not in ray_stages(Config())
+    assert "eval" in ray_stages(Config(cluster=ClusterConfig(gpus_per_node=8)))
