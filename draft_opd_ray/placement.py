@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draft_opd_ray.config.schema import ClusterConfig
+from draft_opd_ray.config.schema import ClusterConfig, Config
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models import kinds
 
@@ -102,6 +102,11 @@ class _Node:
                 self.free[g] = 0.0
         self.free_cpus -= cpus
         return got
+
+
+def plan_for(cfg: Config) -> PlacementPlan:
+    """The run's plan: what `dry_run=true` prints, validation checks and the cluster reserves."""
+    return build_plan(cfg.cluster, draft_kind=cfg.draft.kind, zero_stage=cfg.learner.zero_stage)
 
 
 def build_plan(c: ClusterConfig, *, draft_kind: str, zero_stage: int) -> PlacementPlan:

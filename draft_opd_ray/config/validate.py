@@ -10,11 +10,7 @@ from pathlib import Path
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models import kinds
-from draft_opd_ray.placement import PlacementPlan, build_plan
-
-
-def plan_for(cfg: Config) -> PlacementPlan:
-    return build_plan(cfg.cluster, draft_kind=cfg.draft.kind, zero_stage=cfg.learner.zero_stage)
+from draft_opd_ray.placement import PlacementPlan, plan_for
 
 
 def _check_draft(cfg: Config) -> None:

@@ -28,7 +28,7 @@ from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.opd.actors import Actors, LearnerGroup, start_actors
 from draft_opd_ray.opd.batch import ReplayItem
 from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
-from draft_opd_ray.placement import PlacementPlan
+from draft_opd_ray.placement import PlacementPlan, plan_for
 from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import RequestRecord, read_parquet, tau, write_parquet
 from draft_opd_ray.waits import wait_for, when_back
@@ -92,7 +92,6 @@ def make_weight_sync(
     into the vLLM ``engines`` on a GPU cluster where the sender has a GPU of its own in the placement ``plan``
     (default: the config's), else one shared-memory file per version on a single node, Ray's object store across
     nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
-    from draft_opd_ray.config.validate import plan_for
     from draft_opd_ray.opd.nccl_sync import NcclWeightSync, plan_weight_sync
 
     kind = plan_weight_sync(cfg.rollout.weight_sync, plan or plan_for(cfg))
