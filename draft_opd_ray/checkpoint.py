@@ -67,13 +67,57 @@ def to_device(x: Any, device: Any) -> Any:
     return x
 
 
+# DeepSpeed's ZeRO-1/2 state holds objects: its fragment addresses (rebuilt when the engine starts; only universal
+# checkpoints read them), the stage as an int enum, and a loss scaler (numbers in an object). SafeCheckpointEngine
+# and the learner's optimizer state (`optim.optimizer_state`) write those as plain data, and the loss scaler is
+# rebuilt here from its class name, one of two, and its attributes.
+SLICE_MAPPINGS, SCALER_CLASS = "param_slice_mappings", "__deepspeed_loss_scaler__"
+
+
+def deepspeed_plain(x: Any) -> Any:
+    """DeepSpeed's checkpoint state with its objects as plain data (comment above); the rest as it is."""
+    import enum
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+    if isinstance(x, dict):
+        return {k: deepspeed_plain(v) for k, v in x.items() if k != SLICE_MAPPINGS}
+    if isinstance(x, list):
+        return [deepspeed_plain(v) for v in x]
+    if isinstance(x, enum.Enum) and isinstance(x, int):  # ZeroStageEnum(int, Enum)
+        return int(x)
+    if isinstance(x, LossScalerBase):
+        return {SCALER_CLASS: type(x).__name__, **plain(vars(x), type(x).__name__)}
+    return x
+
+
+def deepspeed_objects(x: Any) -> Any:
+    """`deepspeed_plain`'s loss scalers built again (the other objects are not needed back)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    if isinstance(x, dict) and SCALER_CLASS in x:
+        cls = {c.__name__: c for c in (LossScaler, DynamicLossScaler)}[x[SCALER_CLASS]]
+        scaler = cls.__new__(cls)
+        scaler.__dict__.update({k: v for k, v in x.items() if k != SCALER_CLASS})
+        return scaler
+    if isinstance(x, dict):
+        return {k: deepspeed_objects(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [deepspeed_objects(v) for v in x]
+    return x
+
+
 def safe_checkpoint_engine() -> Any:
-    """A DeepSpeed checkpoint engine that loads with `load_state` (set as ``engine.checkpoint_engine``)."""
+    """A DeepSpeed checkpoint engine (set as ``engine.checkpoint_engine``) that writes plain data and loads with
+    `load_state`, so that `engine.load_checkpoint` unpickles nothing, under ZeRO-1/2 and bf16/fp16 too."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class SafeCheckpointEngine(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            super().save(deepspeed_plain(state_dict), path)
+
         def load(self, path: str, map_location: Any = None) -> Any:
-            return load_state(path)
+            return deepspeed_objects(load_state(path))
 
     return SafeCheckpointEngine()
 

@@ -95,25 +95,13 @@ def build_engine(
     return engine, opt, sched
 
 
-# ZeRO-1/2's state_dict: the fragment addresses are rebuilt when the engine starts (only DeepSpeed's universal
-# checkpoints read them), the loss scaler is an object whose attributes are numbers, the stage an IntEnum
-SLICE_MAPPINGS, LOSS_SCALER, ZERO_STAGE = "param_slice_mappings", "loss_scaler", "zero_stage"
-SCALER_STATE = "loss_scaler_state"
-
-
 def optimizer_state(optimizer: Any) -> dict[str, Any]:
     """``optimizer`` (``engine.optimizer``: torch's, DeepSpeed's mixed-precision or ZeRO-1/2 wrapper)'s state as
-    CPU tensors and plain data (`checkpoint.plain`): what `load_optimizer_state` restores exactly."""
-    from draft_opd_ray.checkpoint import plain
+    CPU tensors and plain data (DeepSpeed's objects as `checkpoint.deepspeed_plain` writes them): what
+    `load_optimizer_state` restores exactly."""
+    from draft_opd_ray.checkpoint import deepspeed_plain, plain
 
-    sd = dict(optimizer.state_dict())
-    sd.pop(SLICE_MAPPINGS, None)
-    scaler = sd.pop(LOSS_SCALER, None)
-    if scaler is not None:
-        sd[SCALER_STATE] = dict(vars(scaler))
-    if ZERO_STAGE in sd:
-        sd[ZERO_STAGE] = int(sd[ZERO_STAGE])
-    return plain(sd)  # type: ignore[no-any-return]
+    return plain(deepspeed_plain(optimizer.state_dict()))  # type: ignore[no-any-return]
 
 
 def load_optimizer_state(optimizer: Any, state: dict[str, Any], device: Any) -> None:
@@ -123,14 +111,10 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any], device: Any) -> 
     does: the resumed run then continues exactly."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from draft_opd_ray.checkpoint import to_device
+    from draft_opd_ray.checkpoint import deepspeed_objects, to_device
     from draft_opd_ray.distributed import world
 
-    sd = dict(to_device(state, device))
-    scaler = sd.pop(SCALER_STATE, None)
-    if scaler is not None:
-        for k, v in scaler.items():
-            setattr(optimizer.loss_scaler, k, v)
+    sd = deepspeed_objects(to_device(state, device))
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         rank, size = world()
         optimizer.load_state_dict([sd if r == rank else {} for r in range(size)], load_from_fp32_weights=True)
