@@ -20,13 +20,11 @@ pytestmark = pytest.mark.deepspeed
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    from draft_opd_ray.distributed import init_process_group
+    from draft_opd_ray.distributed import init_process_group, release_process_group
 
     init_process_group("gloo")
     yield
-    dist.destroy_process_group()
+    release_process_group()  # DeepSpeed's cached groups too: a later module's engine would find them stale
 
 
 def _engine(zero_stage: int) -> Any:
