@@ -38,20 +38,23 @@ TIMING = {"time", "tokens_per_s", "padded_tokens_per_s", "budget_min", "feature_
 
 
 class Bundles:
-    """Learner bundles of a real placement group, the way the run's reservation hands them out."""
+    """``n`` learner bundles and rollout bundle 0 (where the stage's answers are made: `slot_call`) of a real
+    placement group, the way the run's reservation hands them out."""
 
     def __init__(self, n: int) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([{"CPU": 0.5}] * n, strategy="PACK")
+        self.n = n
+        self.pg = placement_group([{"CPU": 0.5}] * (n + 1), strategy="PACK")
         ray.get(self.pg.ready())
 
     def options(self, role: str, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        assert role == "learner"
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+        assert (role, index) == ("rollout", 0) or (role == "learner" and index < self.n)
+        bundle = self.n if role == "rollout" else index
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         return {"num_cpus": 0.5, "scheduling_strategy": strategy}
 
 
