@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.models.kinds import KINDS
 
+# loss.objective: Draft-OPD, and the two controls that train on the same rollouts without replaying drafted blocks
+OBJECTIVES = ("opd", "sft_on_rollouts", "sft_on_rollouts_soft")
+
 
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
@@ -298,7 +301,13 @@ class LossConfig:
     rejected_scope: str = "all"  # all | first
     estimator: str = "topk"  # topk (needs teacher.topk) | full | token (need teacher.topk=null)
     directions: str = "mixed"  # mixed | forward | reverse (ablations: one KL everywhere)
-    objective: str = "opd"  # opd | sft_on_rollouts (ablation: CE on committed tokens, no replay)
+    # opd | sft_on_rollouts (control: hard CE on the rollouts' committed tokens, no replay of drafted blocks) |
+    # sft_on_rollouts_soft (control: forward KL to the teacher's top-k on the same committed tokens, no replay)
+    objective: str = "opd"
+    # the draft's own top-m ids joined to the teacher's top-k in the topk estimator's support (docs/design.md,
+    # "Objective"): a confident drafted token outside the teacher's top-k keeps its own reverse-KL term instead of
+    # vanishing into the tail; the replay actor holds a copy of the current draft to find them. 0: top-k + tail
+    draft_topm: int = 16
     logprob_clamp: float = 10.0
     vocab_chunk: int = 8192  # vocabulary chunk of the `full` estimator
 
@@ -312,7 +321,8 @@ class LossConfig:
         _one_of(self.rejected_scope, "loss.rejected_scope", ("all", "first"))
         _one_of(self.estimator, "loss.estimator", ("full", "topk", "token"))
         _one_of(self.directions, "loss.directions", ("mixed", "forward", "reverse"))
-        _one_of(self.objective, "loss.objective", ("opd", "sft_on_rollouts"))
+        _one_of(self.objective, "loss.objective", OBJECTIVES)
+        _check(self.draft_topm >= 0, "loss.draft_topm", f"must be >= 0, got {self.draft_topm}")
         _check(self.logprob_clamp > 0, "loss.logprob_clamp", "must be > 0")
         _check(self.vocab_chunk >= 1, "loss.vocab_chunk", "must be >= 1")
 
@@ -353,6 +363,9 @@ class LearnerConfig:
     # SFT warm start's 512-token batches. The replay's cost is paid once per step whatever this is; 8 updates a
     # step left the default run's gain inside its noise (docs/results.md)
     mini_batches: int = 32
+    # passes over each step's batch (verl's ppo_epochs): epochs x mini_batches updates a step. Controls without the
+    # replay forward use it to train at the FLOPs of the Draft-OPD arm they are compared with
+    epochs: int = 1
     dtype: str = "auto"  # auto: bfloat16 where the hardware has it (GPU, AVX512-BF16), float32 elsewhere
     backend: str = "auto"  # torch.distributed backend; auto: nccl where CUDA is available, gloo otherwise
 
@@ -363,6 +376,7 @@ class LearnerConfig:
             f"must be 0, 1, 2 or 3, got {self.zero_stage}",
         )
         _check(self.mini_batches >= 1, "learner.mini_batches", f"must be >= 1, got {self.mini_batches}")
+        _check(self.epochs >= 1, "learner.epochs", f"must be >= 1, got {self.epochs}")
         _one_of(self.dtype, "learner.dtype", ("auto", "float32", "bfloat16", "float16"))
         _one_of(self.backend, "learner.backend", ("auto", "nccl", "gloo"))
 

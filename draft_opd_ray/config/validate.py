@@ -111,7 +111,9 @@ def _check_training(cfg: Config) -> None:
             f"draft.path: the opd stage post-trains an existing {cfg.draft.kind} draft; give its folder "
             "(only an eagle3 head can start from scratch)"
         )
-    if cfg.loss.objective == "opd" and (cfg.loss.estimator == "topk") != (cfg.teacher.topk is not None):
+    if cfg.loss.objective != "sft_on_rollouts" and (cfg.loss.estimator == "topk") != (
+        cfg.teacher.topk is not None
+    ):
         raise ConfigError(
             f"loss.estimator: {cfg.loss.estimator} with teacher.topk={cfg.teacher.topk}: the topk estimator "
             "needs a teacher top-k (teacher.topk=16), full and token need the whole distribution (teacher.topk=null)"

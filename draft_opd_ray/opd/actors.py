@@ -160,9 +160,12 @@ class LearnerGroup:
                 out[r].append([items[g[i]] for i in s])
         return out
 
-    def step(self, batch: Sequence[TeacherItem] | Scored, mini_batches: int) -> dict[str, float]:
-        """One step on the ranks; with `Scored` each rank fetches its own items from the replay actors' nodes."""
-        parts = self.shards(batch, mini_batches)
+    def step(
+        self, batch: Sequence[TeacherItem] | Scored, mini_batches: int, epochs: int = 1
+    ) -> dict[str, float]:
+        """One step on the ranks; with `Scored` each rank fetches its own items from the replay actors' nodes.
+        ``epochs`` passes over the batch, each its ``mini_batches`` updates in the same order (`learner.epochs`)."""
+        parts = [p * epochs for p in self.shards(batch, mini_batches)]
         from ray.exceptions import ActorDiedError, RayActorError
 
         try:
@@ -298,6 +301,18 @@ def _rollout_workers(
     ]
 
 
+def replay_draft_topm(cfg: Config) -> int:
+    """`loss.draft_topm` where it is used: Draft-OPD's topk estimator (the controls train on committed tokens)."""
+    used = cfg.loss.objective == "opd" and cfg.loss.estimator == "topk" and cfg.teacher.topk is not None
+    return cfg.loss.draft_topm if used else 0
+
+
+def replay_holds_draft(cfg: Config) -> bool:
+    """Whether the replay actors hold a copy of the current draft (a weight receiver): to redraft the blocks, or
+    to find the draft's own top-m ids."""
+    return cfg.replay.mode == "redraft" or replay_draft_topm(cfg) > 0
+
+
 def replay_teacher(cfg: Config) -> dict[str, Any]:
     """The replay's teacher from `cfg.teacher`, the setting the SFT feature pass reads too: the target's
     precision and the probabilities kept per position (top-k, or the whole draft vocabulary). The precision goes
@@ -344,8 +359,9 @@ def _replay_actor(
             num_threads=1 if cfg.cluster.gpus_per_node == 0 else None,
             cpu_share=share,
             **replay_teacher(cfg),
-            teacher=cfg.loss.objective == "opd",
+            teacher=cfg.loss.objective != "sft_on_rollouts",
             mode=cfg.replay.mode,
+            draft_topm=replay_draft_topm(cfg),
             draft_kind=cfg.draft.kind,
             draft_dir=draft_dir,
         )

@@ -46,6 +46,10 @@ class TeacherItem:
         None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
     )
     teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
+    # the draft's own top-m ids at every block position (`loss.draft_topm`) and the teacher's log-probs there
+    draft_topm_ids: torch.Tensor | None = None  # (N, K, m) draft-vocabulary ids
+    teacher_logprobs_at_draft: torch.Tensor | None = None  # (N, K, m)
+    replay_draft_flops: float = 0.0  # the replay's draft forward that found draft_topm_ids (training compute)
 
     def to(self, device: torch.device | str) -> TeacherItem:
         """The same item with every tensor on ``device`` (a no-op where they already are)."""
@@ -75,13 +79,20 @@ class TeacherSummary:
     target_ran: bool  # the replay ran the target (not for a standalone draft's sft_on_rollouts)
     agree: int  # anchors whose greedy acceptance under replay equals the recorded one
     payload_bytes: int  # `payload_bytes`
+    draft_flops: float = 0.0  # `TeacherItem.replay_draft_flops`
 
     @staticmethod
     def of(t: TeacherItem) -> TeacherSummary:
         ran = t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
         agree = int((t.accepted == t.replay_accepted).sum())
         return TeacherSummary(
-            len(t.anchor_pos), learner_cost(t), t.scored_tokens(), ran, agree, payload_bytes(t)
+            len(t.anchor_pos),
+            learner_cost(t),
+            t.scored_tokens(),
+            ran,
+            agree,
+            payload_bytes(t),
+            t.replay_draft_flops,
         )
 
 
@@ -98,7 +109,14 @@ def committed_blocks(t: TeacherItem) -> torch.Tensor:
 
 def payload_bytes(t: TeacherItem) -> int:
     """What one scored sequence ships to the learner (features + teacher)."""
-    parts = [t.features, t.teacher_logprobs, t.teacher_topk_ids, t.teacher_topk_logprobs]
+    parts = [
+        t.features,
+        t.teacher_logprobs,
+        t.teacher_topk_ids,
+        t.teacher_topk_logprobs,
+        t.draft_topm_ids,
+        t.teacher_logprobs_at_draft,
+    ]
     return sum(x.numel() * x.element_size() for x in parts if x is not None)
 
 

@@ -5,8 +5,10 @@ global denominator (docs/design.md, "Objective"), computed from the anchors befo
 depend on how the batch is split into micro-batches or data-parallel ranks. Weights for the rollout
 workers come out in the draft's checkpoint names (`rollout_state`).
 
-`objective` "sft_on_rollouts" (the ablation without the on-policy signal): the blocks are the committed
+`objective` "sft_on_rollouts" (the control without the on-policy signal): the blocks are the committed
 continuations themselves, and the loss is cross-entropy on those committed tokens, normalised by their count.
+"sft_on_rollouts_soft" (the same control with the teacher's soft labels): the same blocks, all of them accepted,
+so the Draft-OPD objective reduces to forward KL to the teacher's top-k at every committed position.
 The trained weights, the AdamW + DeepSpeed engine and the schedule are the SFT arm's (`draft_opd_ray.optim`).
 """
 
@@ -28,6 +30,7 @@ from draft_opd_ray.algo.loss import (
     sft_terms,
 )
 from draft_opd_ray.checkpoint import plain
+from draft_opd_ray.config.schema import OBJECTIVES
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
@@ -74,8 +77,11 @@ def _fetch(groups: Sequence[Sequence[Any]]) -> list[list[TeacherItem]]:
         return [list(g) for g in groups]
     import ray
 
-    got = iter(ray.get([t for g in groups for t in g]))
-    return [[next(got) for _ in g] for g in groups]
+    refs = list(
+        dict.fromkeys(t for g in groups for t in g)
+    )  # once each (`learner.epochs` repeats the groups)
+    got = dict(zip(refs, ray.get(refs)))
+    return [[got[t] for t in g] for g in groups]
 
 
 def student_vocabulary(draft_ids: Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
@@ -122,8 +128,8 @@ class Learner:
         from draft_opd_ray.device import resolve_dtype
         from draft_opd_ray.opd.students import make_student
 
-        if objective not in ("opd", "sft_on_rollouts"):
-            raise ValueError(f"objective must be 'opd' or 'sft_on_rollouts', got {objective!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if cpu_share is not None:
             torch.set_num_threads(node_threads(*cpu_share))
         elif num_threads:
@@ -206,7 +212,14 @@ class Learner:
         if est == "topk":
             if b.teacher_topk_ids is None or b.teacher_topk_logprobs is None:
                 raise ValueError("loss.estimator=topk needs the replay's topk payload (teacher.topk set)")
-            return TopkInputs(rows @ lm_head.T, b.teacher_topk_ids[mask], b.teacher_topk_logprobs[mask])
+            own = b.draft_topm_ids, b.teacher_logprobs_at_draft  # the draft's own top-m (`loss.draft_topm`)
+            return TopkInputs(
+                rows @ lm_head.T,
+                b.teacher_topk_ids[mask],
+                b.teacher_topk_logprobs[mask],
+                own[0][mask] if own[0] is not None else None,
+                own[1][mask] if own[1] is not None else None,
+            )
         if b.teacher_logprobs is None:
             raise ValueError(f"loss.estimator={est} needs the replay's full payload (teacher.topk=null)")
         teacher = b.teacher_logprobs[mask]  # (T, Vd)

@@ -25,7 +25,7 @@ from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import RunError
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import MetricsLogger
-from draft_opd_ray.opd.actors import Actors, LearnerGroup, start_actors
+from draft_opd_ray.opd.actors import Actors, LearnerGroup, replay_holds_draft, start_actors
 from draft_opd_ray.opd.batch import ReplayItem
 from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.placement import PlacementPlan, plan_for
@@ -52,7 +52,7 @@ def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem
 
 
 def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> list[ReplayItem]:
-    if cfg.loss.objective == "sft_on_rollouts":
+    if cfg.loss.objective != "opd":  # the controls: the committed continuations, no drafted block replayed
         return committed_items(records, cfg.draft.num_speculative_tokens)
     a = cfg.anchor
     anchors = select_anchors(
@@ -91,7 +91,7 @@ def make_weight_sync(
     """rollout.weight_sync (`nccl_sync.plan_weight_sync`): auto = NCCL from the learner's rank 0 (``sender``)
     into the vLLM ``engines`` on a GPU cluster where the sender has a GPU of its own in the placement ``plan``
     (default: the config's), else one shared-memory file per version on a single node, Ray's object store across
-    nodes. Receivers: the rollout workers, and the replay actor when it redrafts."""
+    nodes. Receivers: the rollout workers, and the replay actor when it holds a draft (`replay_holds_draft`)."""
     from draft_opd_ray.opd.nccl_sync import NcclWeightSync, plan_weight_sync
 
     kind = plan_weight_sync(cfg.rollout.weight_sync, plan or plan_for(cfg))
@@ -309,7 +309,7 @@ def run_opd(
     start_step = int(saved.get("step", 0))
     flops.update(saved.get("flops", {}))
     last = str(resume / "draft") if resume else draft_dir
-    total_updates = cfg.opd.steps * cfg.learner.mini_batches
+    total_updates = cfg.opd.steps * cfg.learner.mini_batches * cfg.learner.epochs
     actors = start_actors(cfg, plan, target, last, total_updates, reservation=reservation)
     sync: WeightSync | None = None
     try:
@@ -336,7 +336,7 @@ def run_opd(
             on_restart=lambda w: _restart_worker(actors, sync, w, state.version),
             max_restarts=cfg.cluster.max_restarts,
         )
-        if cfg.replay.mode == "redraft":  # a restarted replay actor redrafts with the current weights
+        if replay_holds_draft(cfg):  # a restarted replay actor redrafts (or ranks) with the current weights
             actors.replay.on_restart = lambda a: _restore_receiver(actors, a, state.version, "replay actor")
         if resume is not None:
             metrics.resume("opd", start_step)
@@ -395,7 +395,7 @@ def _resume_actors(
 ) -> WeightSync:
     """Restore a resumed run's optimizer states and versions; the weight sync to the receivers."""
 
-    redraft = cfg.replay.mode == "redraft"
+    redraft = replay_holds_draft(cfg)  # the replay's draft copy is a weight receiver too
     if saved:
         actors.learner.load_optimizer_states(saved.get("ranks", [saved]))
         # the workers start with the checkpoint's weights: that is version start_step, not 0 (else every
@@ -451,7 +451,7 @@ def _one_step(
     # driver reads only their summaries (sizes for the sharding, counts for the metrics)
     scored = actors.replay.score_refs(items)
     t2 = time.time()
-    out = actors.learner.step(scored, cfg.learner.mini_batches)
+    out = actors.learner.step(scored, cfg.learner.mini_batches, cfg.learner.epochs)
     t3 = time.time()
     if "skipped" in out:
         _count_nonfinite(cfg, state, out, step, run_dir)
@@ -465,8 +465,9 @@ def _one_step(
         )
         return None
     state.nonfinite_run = 0
-    flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0))
     summaries = scored.summaries
+    # the learner's forward + backward, and the replay's draft forward where it finds the draft's own top-m
+    flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0)) + sum(t.draft_flops for t in summaries)
     flops["flops_target"] += sum(
         target_forward_flops(info, 1, t.scored_tokens) for t in summaries if t.target_ran
     )

@@ -48,24 +48,29 @@ class ReplayActor:
         draft_kind: str | None = None,
         draft_dir: str | None = None,
         cpu_share: tuple[int, int] | None = None,
+        draft_topm: int = 0,
     ) -> None:
         """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
         "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk).
         mode "redraft" needs the draft (``draft_kind``, ``draft_dir``) and takes its later versions through
         ``load_draft_weights_file`` / ``load_draft_weights``. ``teacher=False`` (`loss.objective=sft_on_rollouts`)
         ships only the target features: no teacher distribution is computed. ``cpu_share`` (reserved cores,
-        sharers) sets the threads from this node's cores instead of ``num_threads`` (`device.node_threads`)."""
+        sharers) sets the threads from this node's cores instead of ``num_threads`` (`device.node_threads`).
+        ``draft_topm`` > 0 (payload "topk", `loss.draft_topm`): the actor also holds the draft, kept current as in
+        redraft, and ships the teacher's log-probs at the draft's own top ``draft_topm`` ids of every block
+        position beside the teacher's top-k, so the estimator's support holds the draft's confident tokens."""
         if payload not in ("full", "topk"):
             raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
         if mode not in ("recorded", "redraft"):
             raise ValueError(f"mode must be 'recorded' or 'redraft', got {mode!r}")
         self.payload, self.topk, self.mode, self.teacher = payload, topk, mode, teacher
+        self.draft_topm = draft_topm if payload == "topk" and teacher else 0
         self.student = None
         self.draft_version = 0
         self.device = actor_device()
-        if mode == "redraft":
+        if mode == "redraft" or self.draft_topm > 0:
             if draft_kind is None or draft_dir is None:
-                raise ValueError("replay mode redraft needs draft_kind and draft_dir")
+                raise ValueError("replay mode redraft and draft_topm > 0 need draft_kind and draft_dir")
             from draft_opd_ray.opd.students import make_student
 
             self.student = make_student(draft_kind, draft_dir, target)
@@ -109,7 +114,7 @@ class ReplayActor:
     def load_draft_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """A new draft version (the names of `Learner.rollout_state`); redraft uses it from the next call on."""
         if self.student is None:
-            raise RuntimeError("this replay actor holds no draft (replay mode recorded)")
+            raise RuntimeError("this replay actor holds no draft (replay mode recorded, draft_topm 0)")
         own = self.student.model.state_dict()
         unknown = sorted(set(weights) - set(own))
         if unknown:
@@ -210,12 +215,7 @@ class ReplayActor:
                 teacher = torch.zeros(N, K, lp.shape[-1])
             teacher[j, :have] = lp
         assert teacher is not None
-        top_ids = top_lp = None
-        if self.payload == "topk":
-            k = min(self.topk, teacher.shape[-1])
-            top_lp, top_ids = teacher.topk(k, dim=-1)
-            teacher = None
-        return TeacherItem(
+        item = TeacherItem(
             torch.tensor(it.input_ids),
             feats,  # in the target's precision (teacher.dtype): bfloat16 ships half the bytes of float32
             torch.tensor(it.anchor_pos),
@@ -225,16 +225,32 @@ class ReplayActor:
             replay_acc,
             teacher,
             it.policy_version,
-            top_ids,
-            top_lp,
         )
+        if self.payload == "topk":
+            k = min(self.topk, teacher.shape[-1])
+            item.teacher_topk_logprobs, item.teacher_topk_ids = teacher.topk(k, dim=-1)
+            if self.draft_topm > 0:
+                item.draft_topm_ids = self._draft_topm(item)
+                item.teacher_logprobs_at_draft = teacher.gather(-1, item.draft_topm_ids)
+                assert self.student is not None  # one forward: a third of the student's forward + backward
+                item.replay_draft_flops = self.student.flops(item) / 3
+            item.teacher_logprobs = None
+        return item
+
+    def _draft_topm(self, item: TeacherItem) -> torch.Tensor:
+        """(N, K, m) the current draft's own top ``draft_topm`` ids (its vocabulary) at every block position."""
+        assert self.student is not None
+        hidden = self.student.block_hidden(item.to(self.device))  # (N, K, H)
+        logits = hidden @ self.student.lm_head.T
+        m = min(self.draft_topm, logits.shape[-1])
+        return logits.topk(m, dim=-1).indices.cpu()
 
     def refit_ack(self) -> RefitAck:
         """The refit proof of the draft copy redraft uses (`opd/refit.py`): its tensors, fingerprinted as held."""
         from draft_opd_ray.opd.refit import fingerprints
 
         if self.student is None:
-            raise RuntimeError("this replay actor holds no draft (replay mode recorded)")
+            raise RuntimeError("this replay actor holds no draft (replay mode recorded, draft_topm 0)")
         state = self.student.model.state_dict()
         dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         tensors = fingerprints((n, t.cpu()) for n, t in state.items())

@@ -435,3 +435,55 @@ def test_invalid_spec_and_mismatched_inputs_fail_clearly() -> None:
         )
     with pytest.raises(ValueError, match="rows"):
         objective_terms(FullInputs(hidden, weight, teacher), torch.tensor([1]), torch.tensor([3]), 4, spec())
+
+
+def test_draft_topm_gives_a_confident_mistake_outside_the_teachers_top_k_its_own_term() -> None:
+    """`loss.draft_topm`: the draft puts q(y) = 0.9 on y, outside the teacher's top-k (p(y) = 1e-6). With the
+    teacher's top-k alone y is merged into the tail, where the teacher also keeps mass, and its reverse-KL term is
+    the tail's; with the draft's own top-m in the support y is a bin of its own. Checked against the brute-force KL
+    of both coarse-grainings, and by the gradient on y's logit (descent must lower it)."""
+    V, y, k = 12, 5, 3
+    lq = torch.full((V,), math.log(0.1 / (V - 1)), dtype=F64)
+    lq[y] = math.log(0.9)
+    p = torch.linspace(1.0, 2.0, V, dtype=F64)
+    p[y] = 0.0
+    p = p / p.sum() * (1 - 1e-6)
+    p[y] = 1e-6
+    lp = p.log()
+    t_ids = lp.topk(k).indices[None]  # (1, k): y is not among them
+    assert y not in t_ids[0].tolist()
+    d_ids = lq.topk(2).indices[None]  # the draft's own top-2: y first
+    assert int(d_ids[0, 0]) == y
+
+    def brute(support: set[int]) -> float:
+        q, pp = lq.exp(), lp.exp()
+        tail = [v for v in range(V) if v not in support]
+        qt, pt = float(q[tail].sum()), float(pp[tail].sum())
+        return sum(float(q[v] * (lq[v] - lp[v])) for v in support) + qt * math.log(qt / pt)
+
+    accepted, valid_len = torch.tensor([0]), torch.tensor([1])
+    sp = spec(estimator="topk", clamp=1e9, directions="reverse")
+    grads, values = {}, {}
+    for name, extra in (("teacher top-k", None), ("with the draft's top-m", d_ids)):
+        s = lq[None].clone().requires_grad_()
+        inputs = TopkInputs(
+            s,
+            t_ids,
+            lp[None].gather(-1, t_ids),
+            extra,
+            lp[None].gather(-1, extra) if extra is not None else None,
+        )
+        terms = objective_terms(inputs, accepted, valid_len, 1, sp)
+        loss = terms.loss()  # the correction position's weight divided out: the position's reverse KL
+        loss.backward()
+        assert s.grad is not None
+        grads[name], values[name] = float(s.grad[0, y]), float(loss.detach())
+    support_k = set(t_ids[0].tolist())
+    assert values["teacher top-k"] == pytest.approx(brute(support_k), rel=1e-9)
+    assert values["with the draft's top-m"] == pytest.approx(
+        brute(support_k | set(d_ids[0].tolist())), rel=1e-9
+    )
+    # y's own bin: the term grows from the tail's (the teacher's tail mass hides the mistake) to q(y) log q/p
+    assert values["with the draft's top-m"] > values["teacher top-k"] + 5.0
+    assert grads["with the draft's top-m"] > 1.0  # a non-zero gradient that lowers y's logit
+    assert grads["with the draft's top-m"] > 2 * grads["teacher top-k"]

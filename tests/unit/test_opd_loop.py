@@ -203,3 +203,20 @@ def test_non_finite_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_pat
         RunError, match=r"2 steps in a row \(to step 5\) had a non-finite loss .*step_3/draft"
     ):
         _count_nonfinite(c, state, nan, 4, tmp_path)
+
+
+def test_the_drafts_own_top_m_is_used_by_draft_opd_only_and_makes_the_replay_a_weight_receiver() -> None:
+    from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.opd.actors import replay_draft_topm, replay_holds_draft
+
+    cfg = Config()
+    assert cfg.loss.draft_topm == 16 and replay_draft_topm(cfg) == 16 and replay_holds_draft(cfg)
+    for key, value in (("objective", "sft_on_rollouts_soft"), ("objective", "sft_on_rollouts")):
+        other = Config()
+        setattr(other.loss, key, value)
+        assert replay_draft_topm(other) == 0 and not replay_holds_draft(other)
+    off = Config()
+    off.loss.draft_topm = 0
+    assert not replay_holds_draft(off)
+    off.replay.mode = "redraft"
+    assert replay_holds_draft(off)

@@ -163,7 +163,7 @@ def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, payload="half")
     with pytest.raises(ValueError, match="mode"):
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="fresh")
-    with pytest.raises(ValueError, match="redraft needs draft_kind and draft_dir"):
+    with pytest.raises(ValueError, match="redraft and draft_topm > 0 need draft_kind and draft_dir"):
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="redraft")
     with pytest.raises(RuntimeError, match="holds no draft"):
         ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k).load_draft_weights({}, 1)

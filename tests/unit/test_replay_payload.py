@@ -125,7 +125,7 @@ def test_the_loop_hands_the_learner_references_and_summaries_not_tensors(
     class Learner:
         rank0 = type("Rank0", (), {"rollout_state": _Remote(lambda: {"w": torch.zeros(1)})})()
 
-        def step(self, batch: Any, mini_batches: int) -> dict[str, float]:
+        def step(self, batch: Any, mini_batches: int, epochs: int = 1) -> dict[str, float]:
             handed.append(batch)
             return {"loss": 1.0, "updates": 1.0, "flops_draft_step": 0.0}
 
@@ -156,3 +156,34 @@ def test_the_loop_hands_the_learner_references_and_summaries_not_tensors(
     assert row["replay_accept_agree"] == pytest.approx(s.agree / s.anchors)
     assert row["replay_payload_mb"] == pytest.approx(round(n * s.payload_bytes / 2**20, 3))
     assert flops["flops_target"] == pytest.approx(n * s.scored_tokens)
+
+
+def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(replay_case: Any) -> None:
+    """`loss.draft_topm`: the replay holds the draft and ships, per block position, the draft's own top-m ids
+    (what the student's head ranks highest there) and the teacher's exact log-probs at them (the full payload's
+    values at those ids), beside the teacher's top-k; the learner hands both to the `topk` estimator."""
+    from draft_opd_ray.opd.students import make_student
+
+    c = replay_case
+    m = 5
+    kw: dict[str, Any] = dict(draft_kind="eagle3", draft_dir=str(c.eagle3))
+    (t,) = c.replay("eagle3", c.eagle3, payload="topk", topk=4, draft_topm=m, **kw).score([c.item])
+    (full,) = c.replay("eagle3", c.eagle3, payload="full").score([c.item])
+    assert t.draft_topm_ids is not None and t.teacher_logprobs_at_draft is not None
+    N, K = t.drafted.shape
+    assert t.draft_topm_ids.shape == (N, K, m) == t.teacher_logprobs_at_draft.shape
+    student = make_student("eagle3", str(c.eagle3), str(c.target))
+    with torch.no_grad():
+        own = (student.block_hidden(t) @ student.lm_head.T).topk(m, dim=-1).indices
+    valid = torch.arange(K)[None] < t.valid_len[:, None]
+    assert torch.equal(t.draft_topm_ids[valid], own[valid])
+    assert full.teacher_logprobs is not None
+    at = full.teacher_logprobs.gather(-1, t.draft_topm_ids)
+    torch.testing.assert_close(t.teacher_logprobs_at_draft[valid], at[valid])
+    assert t.teacher_logprobs is None and t.replay_draft_flops > 0
+    assert TeacherSummary.of(t).draft_flops == t.replay_draft_flops
+    # without it (and for the controls, which train on committed tokens) nothing more ships and no draft is held
+    plain = c.replay("eagle3", c.eagle3, payload="topk", topk=4)
+    (p,) = plain.score([c.item])
+    assert p.draft_topm_ids is None and plain.student is None
+    assert payload_bytes(t) > payload_bytes(p)
