@@ -1,11 +1,23 @@
-"""Compare runs: `python -m draft_opd_ray.compare RUN_DIR... [--baseline ARM] [--out DIR] [--dataset NAME]`.
+"""Compare drafts: `python -m draft_opd_ray.compare RESULTS_DIR | RUN_DIR... [--baseline ARM] [--out DIR]
+[--dataset NAME]`.
+
+A results dir (`results/<study>/`, with `study.json`; the format is in `results/README.md` and
+`draft_opd_ray.eval.results`) holds the raw per-prompt counts of every draft on every prompt set. Per set: each
+arm's τ over seeds (per seed, and the mean with its prompt-clustered 95% CI), training FLOPs; every arm against
+the branch point and against the baseline arm, paired per prompt and seed, with the prompt-clustered CI, the
+seed-level t-interval beside it and in words whether each excludes zero; τ ratios (P1) with CIs. The primary
+endpoint named in `study.json` is marked, every other comparison is exploratory. Prints the tables and writes
+`compare.md` and `compare.json` to ``--out`` (default: the results dir itself, where they are committed beside
+the raw files). The statistics are `draft_opd_ray.eval.stats`'s (its docstring says why these intervals).
 
 A run dir holds `eval/report.json` (plus Hydra's `.hydra/{config,overrides}.yaml` and `metrics.jsonl`); a Hydra
 multirun dir expands to the run dirs directly inside it. Runs are grouped into arms by their Hydra overrides
 without `seed=` and `hydra.*`. Per arm: τ mean with a 95% t-interval over seeds, the per-seed τ, the mean gain
 over the draft the runs started from, training FLOPs, and the paired per-prompt difference against the baseline
-arm (runs of the same seed on the same prompts, differences pooled over seeds, bootstrap CI). Writes
-`compare.md` (also printed), `compare.json`, `tau_by_arm.png` and `tau_vs_compute.png` to ``--out``.
+arm (runs of the same seed on the same prompts; prompt-clustered CI over the seeds, the seed-level interval
+beside it). Writes `compare.md` (also printed), `compare.json`, `tau_by_arm.png` and `tau_vs_compute.png` to
+``--out`` (default `./compare_out`).
+
 Bad input exits with code 2 and one `error: ...` line.
 """
 
@@ -25,8 +37,10 @@ import numpy as np
 import yaml
 
 from draft_opd_ray.checkpoint import write_text_atomic
+from draft_opd_ray.compare_results import interval, run_study
 from draft_opd_ray.errors import DataError
-from draft_opd_ray.eval.stats import bootstrap_mean_ci, mean_ci, prompt_diffs
+from draft_opd_ray.eval.results import STUDY, is_study_dir
+from draft_opd_ray.eval.stats import mean_ci, paired_over_seeds
 from draft_opd_ray.metrics import finite, read_metrics
 
 EXIT_BAD_INPUT = 2
@@ -72,7 +86,7 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
             continue
         subs = [d for d in p.iterdir() if d.is_dir() and is_run_dir(d)] if p.is_dir() else []
         if not subs:
-            raise DataError(f"{p}: not a run directory (no {REPORT})")
+            raise DataError(f"{p}: not a run directory (no {REPORT}) nor a results dir (no {STUDY})")
         found += sorted(subs, key=_natural_key)
     unique: dict[Path, Path] = {}
     for p in found:
@@ -164,25 +178,31 @@ def _run_row(run: Run, dataset: str) -> dict[str, Any]:
 
 
 def paired_vs(runs: Sequence[Run], base: Sequence[Run], dataset: str) -> dict[str, Any] | None:
-    """Per-prompt τ differences of ``runs`` minus the ``base`` run of the same seed, pooled over seeds: mean
-    with bootstrap CI (`n`: prompts), the seeds paired, and the seeds left unpaired (no base run of that seed,
-    or no `per_prompt` lists of equal length). None if no run could be paired."""
+    """Per-prompt τ differences of ``runs`` minus the ``base`` run of the same seed, over the seeds
+    (`draft_opd_ray.eval.stats.paired_over_seeds`: mean over prompts of the mean over seeds, prompt-clustered
+    CI, ``seed_level`` and ``naive`` intervals), the seeds paired, and the seeds left unpaired (no base run of
+    that seed, no `per_prompt` lists of equal length, or other prompts than the first paired seed's). None if
+    no run could be paired."""
     by_seed: dict[int, Run] = {}
     for run in base:
         by_seed.setdefault(run.seed, run)
-    diffs, seeds, unpaired = [], [], []
+    mine: list[Any] = []
+    theirs: list[Any] = []
+    seeds: list[int] = []
+    unpaired: list[int] = []
     for r in runs:
         b = by_seed.get(r.seed)
         pa = _entry(r, dataset).get("per_prompt")
         pb = _entry(b, dataset).get("per_prompt") if b is not None else None
-        if not pa or not pb or len(pa) != len(pb):
+        if not pa or not pb or len(pa) != len(pb) or (mine and len(pa) != len(mine[0])):
             unpaired.append(r.seed)
             continue
-        diffs.append(prompt_diffs(pa, pb))
+        mine.append(pa)
+        theirs.append(pb)
         seeds.append(r.seed)
     if not seeds:
         return None
-    return {**bootstrap_mean_ci(np.concatenate(diffs)), "seeds": seeds, "unpaired_seeds": unpaired}
+    return {**paired_over_seeds(mine, theirs), "seeds": seeds, "unpaired_seeds": unpaired}
 
 
 def compare(
@@ -231,8 +251,8 @@ def render_table(result: dict[str, Any]) -> str:
         f"# Comparison on {result['dataset']} (baseline arm: {base})",
         "",
         f"| arm | seeds | τ mean [95% CI] | τ per seed | τ after − before | train FLOPs | Δτ vs {base} per prompt "
-        "[95% CI] |",
-        "|---|---|---|---|---|---|---|",
+        "[95% CI, prompts clustered] | over seeds [95% t-CI] |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm, a in result["arms"].items():
         t = a["tau"]
@@ -241,14 +261,15 @@ def render_table(result: dict[str, Any]) -> str:
         flops = f"{a['flops']:.3g}" if a["flops"] is not None else "-"
         v = a["vs_baseline"]
         if arm == base:
-            vs = "(baseline)"
+            vs, over = "(baseline)", ""
         elif v is None:
-            vs = "- (no runs of the same seed on the same prompts)"
+            vs, over = "- (no runs of the same seed on the same prompts)", ""
         else:
-            vs = f"{_signed_ci(v)} ({v['n']} prompts, {len(v['seeds'])} seeds)"
+            vs = f"{_signed_ci(v)} ({v['prompts']} prompts × {len(v['seeds'])} seeds)"
+            over = interval(v["seed_level"], "+.3f")
         lines.append(
             f"| {arm} | {t['n']} | {t['mean']:.3f} [{t['lo']:.3f}, {t['hi']:.3f}] | {per_seed} | {gain} | "
-            f"{flops} | {vs} |"
+            f"{flops} | {vs} | {over} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -350,19 +371,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m draft_opd_ray.compare", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dirs or Hydra multirun dirs")
     parser.add_argument(
-        "--baseline", default=None, metavar="ARM", help="arm to compare against (default: first)"
+        "runs",
+        nargs="+",
+        metavar="DIR",
+        help="one results dir (with study.json), or run dirs / Hydra multirun dirs",
     )
     parser.add_argument(
-        "--out", default="compare_out", metavar="DIR", help="output dir (default: ./compare_out)"
+        "--baseline",
+        default=None,
+        metavar="ARM",
+        help="arm to compare against (default: study.json's, or the first)",
     )
     parser.add_argument(
-        "--dataset", default=None, metavar="NAME", help="eval set (default: the first reported)"
+        "--out", default=None, metavar="DIR", help="output dir (default: the results dir, or ./compare_out)"
+    )
+    parser.add_argument(
+        "--dataset", default=None, metavar="NAME", help="eval set (default: all, or the first)"
     )
     args = parser.parse_args(argv)
     try:
-        run_compare(args.runs, out=args.out, dataset=args.dataset, baseline=args.baseline)
+        if len(args.runs) == 1 and is_study_dir(Path(args.runs[0])):
+            run_study(args.runs[0], out=args.out, baseline=args.baseline, dataset=args.dataset)
+        else:
+            out = args.out or "compare_out"
+            run_compare(args.runs, out=out, dataset=args.dataset, baseline=args.baseline)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -1,6 +1,7 @@
 """`python -m draft_opd_ray.compare` on fake run dirs: arms from Hydra overrides, τ over seeds, the gain over the
-start draft, training FLOPs and the paired difference against the baseline arm checked against hand computation;
-multirun dirs expand to their runs; bad input is one `error:` line and exit code 2."""
+start draft, training FLOPs and the paired difference against the baseline arm (prompts clustered over seeds, the
+seed-level interval beside it) checked against hand computation; multirun dirs expand to their runs; bad input is
+one `error:` line and exit code 2."""
 
 from __future__ import annotations
 
@@ -106,14 +107,23 @@ def test_compare_table_matches_hand_computation(tmp_path: Path, capsys: pytest.C
     assert fkl["flops"] == pytest.approx((7e12 + 6e12) / 2)  # the last row of each run
     assert fkl["vs_baseline"] is None and rkl["gain_over_before"] is None
 
-    diffs = [
-        b_a / s - a_a / s for (s, a_a), (_, b_a) in zip(A0 + A1, B0 + B1)
-    ]  # rkl − fkl per prompt, seeds pooled
+    d = [
+        [b_a / s - a_a / s for (s, a_a), (_, b_a) in zip(a, b)] for a, b in ((A0, B0), (A1, B1))
+    ]  # rkl − fkl per prompt, d[seed][prompt]
+    prompt_means = [
+        (d[0][p] + d[1][p]) / 2 for p in range(3)
+    ]  # a prompt's seeds are one cluster, not 2 prompts
     v = rkl["vs_baseline"]
-    assert v["seeds"] == [0, 1] and v["n"] == 6 and v["unpaired_seeds"] == []
-    assert v["mean"] == pytest.approx(sum(diffs) / 6)
-    boot = [np.mean([diffs[i] for i in row]) for row in bootstrap_indices(6)]
+    assert v["seeds"] == [0, 1] and v["n"] == v["prompts"] == 3 and v["unpaired_seeds"] == []
+    assert v["mean"] == pytest.approx(sum(prompt_means) / 3)
+    boot = [np.mean([prompt_means[i] for i in row]) for row in bootstrap_indices(3)]
     assert (v["lo"], v["hi"]) == pytest.approx((np.percentile(boot, 2.5), np.percentile(boot, 97.5)))
+    seed_means = [sum(row) / 3 for row in d]  # the seed-level t-interval beside it
+    half = T_975_DF1 * abs(seed_means[0] - seed_means[1]) / 2
+    assert v["seed_level"]["per_seed"] == pytest.approx(seed_means)
+    assert (v["seed_level"]["lo"], v["seed_level"]["hi"]) == pytest.approx(
+        (np.mean(seed_means) - half, np.mean(seed_means) + half)
+    )
 
     table = (out / "compare.md").read_text()
     assert capsys.readouterr().out == table
@@ -122,7 +132,11 @@ def test_compare_table_matches_hand_computation(tmp_path: Path, capsys: pytest.C
         f"| algorithm=fkl | 2 | {m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}] | s0: {t0:.3f}, s1: {t1:.3f} |"
         in table
     )
-    assert f"| {v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] (6 prompts, 2 seeds) |" in table
+    sl = v["seed_level"]
+    assert (
+        f"| {v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] (3 prompts × 2 seeds) | "
+        f"[{sl['lo']:+.3f}, {sl['hi']:+.3f}] |" in table
+    )
     assert "| 6.5e+12 | (baseline) |" in table
     assert (out / "tau_by_arm.png").is_file() and (out / "tau_vs_compute.png").is_file()
 
@@ -190,7 +204,9 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys: pytest.Ca
     assert _fails([str(missing), *out], capsys) == f"error: {missing}: does not exist"
     empty = tmp_path / "empty"
     (empty / "sub").mkdir(parents=True)
-    assert _fails([str(empty), *out], capsys) == f"error: {empty}: not a run directory (no eval/report.json)"
+    assert _fails([str(empty), *out], capsys) == (
+        f"error: {empty}: not a run directory (no eval/report.json) nor a results dir (no study.json)"
+    )
     bad = write_run(tmp_path / "bad", A0, overrides=[])
     (bad / "eval" / "report.json").write_text("{not json")
     assert _fails([str(bad), *out], capsys).startswith(
