@@ -75,21 +75,35 @@ def sh(args: list[str], log: Path) -> None:
         raise SystemExit(f"failed ({r.returncode}), see {log}")
 
 
-def run_or_resume(run_dir: Path, overrides: list[str], log: Path) -> None:
+def run_or_resume(run_dir: Path, overrides: list[str], log: Path, common: list[str] | None = None) -> None:
     """Run ``main`` into ``run_dir``, or, where an earlier try left a complete checkpoint there (a session that
     stopped mid-run), continue it with ``resume=`` (its own config, from that checkpoint: docs/reliability.md)."""
     if any((run_dir / "checkpoints").glob("*/latest")):
         print(f"[study] {run_dir}: resuming from its last checkpoint", flush=True)
         sh([sys.executable, "-m", "draft_opd_ray.main", f"resume={run_dir}"], log)
     else:
-        sh(main_cmd(run_dir, overrides), log)
+        cmd = main_cmd(run_dir, overrides, COMMON if common is None else common)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command").write_text(shown(cmd) + "\n")  # what results/ quotes, with the commit it ran at
+        (run_dir / "commit").write_text(git_commit() + "\n")
+        sh(cmd, log)
 
 
-def main_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
-    """The run's command line: COMMON, less any key the overrides set themselves (one value per key on it)."""
+def main_cmd(run_dir: Path, overrides: list[str], common: list[str] = COMMON) -> list[str]:
+    """The run's command line: ``common``, less any key the overrides set themselves (one value per key on it)."""
     keys = {o.split("=", 1)[0] for o in overrides}
-    common = [c for c in COMMON if c.split("=", 1)[0] not in keys]
+    common = [c for c in common if c.split("=", 1)[0] not in keys]
     return [sys.executable, "-m", "draft_opd_ray.main", *common, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def shown(cmd: list[str]) -> str:
+    """A command line as a reader would type it (`python`, not this interpreter's path)."""
+    return " ".join(["python" if c == sys.executable else c for c in cmd])
+
+
+def git_commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
 
 
 def checkpoints(run_dir: Path, stage: str) -> list[Path]:
@@ -376,6 +390,112 @@ def arms(args: argparse.Namespace) -> None:
             (run / "arm").write_text(arm + "\n")
 
 
+# ------------------------------------------------------------------------------------------------ controls
+
+DEFAULT_COMMON = ["wandb.mode=disabled"]  # the default run's settings: nothing else is overridden
+CONTROLS: dict[str, list[str]] = {
+    "opd": ["stages=[opd]"],
+    "sft": ["stages=[sft]"],
+    "sft_rollouts": ["stages=[opd]", "algorithm=sft_on_rollouts"],
+    "sft_rollouts_soft": ["stages=[opd]", "algorithm=sft_on_rollouts_soft"],
+}
+
+
+def default_branch(args: argparse.Namespace) -> Path:
+    """The default run's warm start as the branch point: `stages=[sft]` with the default config and nothing else
+    (``--set`` aside), which reuses the cached warm start where `make run` built one, else trains it."""
+    info_path = study(args) / "plateau" / "plateau.json"
+    if info_path.is_file():
+        return Path(json.loads(info_path.read_text())["branch"])
+    run = info_path.parent
+    run_or_resume(run, ["stages=[sft]", *args.set], run / "sft.log", common=DEFAULT_COMMON)
+    drafts = checkpoints(run, "sft")
+    branch = drafts[-1] if drafts else _branch_from_cache(run)
+    info = {"branch": str(branch), "overrides": args.set, "default_run": True}
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    return branch
+
+
+def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, float]:
+    """(learner.epochs, FLOPs of one pass, the opd arm's FLOPs) for a control without replay at the Draft-OPD
+    arm's training FLOPs. A pass of a control costs the student over every response position of the step's rollouts
+    plus one target forward over each (its features, or its teacher); greedy rollouts commit the target's own
+    tokens whatever the draft, so the opd arm's rollouts of the same seed's prompts are the control's."""
+    import torch
+
+    from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.flops import target_forward_flops
+    from draft_opd_ray.models.target import ensure_embedded_target, read_target_info
+    from draft_opd_ray.opd.batch import TeacherItem
+    from draft_opd_ray.opd.loop import committed_items
+    from draft_opd_ray.opd.students import make_student
+    from draft_opd_ray.rollout.records import read_parquet
+
+    target = str(ensure_embedded_target())
+    k = Config().draft.num_speculative_tokens
+    student, info = make_student(kind, str(branch), target), read_target_info(target)
+    records = [r for f in sorted((opd_run / "anchors").glob("*.parquet")) for r in read_parquet(f)]
+    per_pass = 0.0
+    for it in committed_items(records, k):
+        n = len(it.anchor_pos)
+        valid = torch.tensor([len(b) for b in it.drafted])
+        ids = torch.tensor(it.input_ids)
+        item = TeacherItem(
+            ids,
+            torch.zeros(0),
+            torch.tensor(it.anchor_pos),
+            torch.zeros(n, k, dtype=torch.long),
+            valid,
+            valid,
+            valid,
+            None,
+            0,
+        )
+        per_pass += student.flops(item) + target_forward_flops(info, 1, len(ids))
+    opd = training_flops(final_draft(opd_run))  # type: ignore[arg-type]
+    return max(1, round(opd / per_pass)), per_pass, opd
+
+
+def controls(args: argparse.Namespace) -> None:
+    """The default run's claim as a controlled comparison: from the default warm start, Draft-OPD with the defaults
+    and three controls at its training FLOPs (SFT continued on the warm start's answers; hard and soft labels on
+    the committed tokens of the same kind of rollouts, no replay), each for ``--seeds``."""
+    from draft_opd_ray.config.schema import Config
+
+    branch = default_branch(args)
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        for arm in args.arms.split(","):
+            run = arm_dir(args, arm, seed)
+            if final_draft(run) is not None:
+                print(f"[controls] {run}: done")
+                continue
+            extra = [f"draft={args.kind}", *args.set, f"seed={seed}", *CONTROLS[arm]]
+            opd = arm_dir(args, "opd", seed)
+            if arm != "opd" and final_draft(opd) is None:
+                raise SystemExit(f"the {arm} arm trains at the FLOPs of {opd}: run the opd arm first")
+            if arm == "sft":
+                extra += [
+                    f"sft.start_from={branch}",
+                    f"sft.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
+                    "sft.train_tokens=null",
+                    "sft.epochs=1000",
+                    "sft.reuse=false",
+                    f"sft.lr={Config().optim.lr}",  # the OPD peak: the same schedule from the same point
+                ]
+            else:
+                extra += [f"draft.path={branch}", "opd.checkpoint_every=5"]
+            if arm.startswith("sft_rollouts"):
+                epochs, per_pass, target_flops = control_epochs(opd, branch, args.kind)
+                print(
+                    f"[controls] {arm} seed {seed}: {per_pass:.3g} FLOPs a pass over the opd arm's rollouts, "
+                    f"{target_flops:.3g} to match: learner.epochs={epochs}",
+                    flush=True,
+                )
+                extra.append(f"learner.epochs={epochs}")
+            run_or_resume(run, extra, run / "arm.log", common=DEFAULT_COMMON)
+            (run / "arm").write_text(arm + "\n")
+
+
 # ------------------------------------------------------------------------------------------------ eval
 
 
@@ -465,6 +585,73 @@ def _compare_all(args: argparse.Namespace, sets: list[str]) -> None:
         run_compare(have, out=study(args) / "compare" / s, dataset=s, baseline=args.baseline)
 
 
+# ------------------------------------------------------------------------------------------------ export
+
+
+def export(args: argparse.Namespace) -> None:
+    """The study's measurements as small files under ``--to`` (results/<study>/, committed; `results/README.md`):
+    per set, the branch point and every finished arm's final draft, per prompt (verification steps, accepted
+    tokens), with the arm's training FLOPs, trained tokens, command and commit. `python -m draft_opd_ray.compare
+    results/<study>` recomputes every table from them."""
+    from draft_opd_ray.checkpoint import write_text_atomic
+
+    out = Path(args.to)
+    branch = branch_point(args)
+    runs = sorted(p for p in (study(args) / "arms").glob("*_s*") if final_draft(p) is not None)
+    primary = None
+    if args.primary:
+        pset, parm, pbase = args.primary.split(":")
+        primary = {"set": pset, "arm": parm, "baseline": pbase}
+    meta = {"name": out.name, "question": args.question, "primary": primary, "baseline": args.baseline}
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "study.json", json.dumps(meta, indent=2) + "\n")
+    for s in args.sets.split(","):
+        path = study(args) / "eval" / f"taus_{s}_n{args.eval_prompts}_t{args.max_new_tokens}.json"
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        rows = [("branch", None, branch, None)] + [
+            (r.name.rsplit("_s", 1)[0], int(r.name.rsplit("_s", 1)[1]), final_draft(r), r) for r in runs
+        ]
+        for arm, seed, draft, run in rows:
+            entry = kept.get(str(draft))
+            if entry is None:
+                print(f"[export] {s}: {draft} not measured yet (`eval --last`), left out")
+                continue
+            label = "branch" if seed is None else f"{arm}_s{seed}"
+            rec = {
+                "arm": arm,
+                "seed": seed,
+                "set": s,
+                "k": 4,
+                "max_new_tokens": args.max_new_tokens,
+                "flops": training_flops(draft) if run is not None else None,  # type: ignore[arg-type]
+                "tokens": trained_tokens(draft) if run is not None else None,  # type: ignore[arg-type]
+                "command": _read(run or branch.parent, "command"),
+                "eval_command": f"python bench/study.py eval --name {study(args).name} --sets {args.sets} "
+                f"--eval-prompts {args.eval_prompts} --last",
+                "commit": _read(run or branch.parent, "commit"),
+                "draft": label,
+                "prompts": [
+                    {"key": str(i), "steps": int(c["steps"]), "accepted": int(c["accepted"])}
+                    for i, c in enumerate(entry["entry"]["per_prompt"])
+                ],
+            }
+            (out / s).mkdir(parents=True, exist_ok=True)
+            write_text_atomic(out / s / f"{label}.json", json.dumps(rec) + "\n")
+            print(f"[export] {out / s / label}.json: tau {entry['entry']['tau']:.3f}")
+
+
+def _read(run: Path, name: str) -> str:
+    """A run dir's `command` / `commit` file (written when the study started it); for a branch point reused from
+    the cache, its plateau run's."""
+    for d in (run, *run.parents):
+        f = d / name
+        if f.is_file():
+            return f.read_text().strip()
+        if d.name == "plateau":
+            break
+    return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -492,15 +679,28 @@ def main() -> None:
         "--exports", action="store_true", help="also the plateau's exports (its curve, validation)"
     )
     e.add_argument("--last", action="store_true", help="each arm's final draft only (no tau-vs-FLOPs curve)")
+    c = sub.add_parser("controls")
+    c.add_argument("--arms", default="opd,sft,sft_rollouts,sft_rollouts_soft")
+    c.add_argument("--seeds", default="0")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    x = sub.add_parser("export")
+    x.add_argument("--to", required=True, help="the results dir (results/<study>)")
+    x.add_argument("--sets", default="validation,mtbench")
+    x.add_argument("--eval-prompts", type=int, default=80)
+    x.add_argument("--question", default="")
+    x.add_argument("--primary", default=None, help="SET:ARM:BASELINE, the study's declared primary endpoint")
+    x.add_argument("--baseline", default="sft")
     d = sub.add_parser("adopt")
     d.add_argument("run_dir", help="a finished stages=[sft,opd,...] run dir")
     d.add_argument("--seed", type=int, default=0)
-    for q in (p, a, e, d):
+    for q in (p, a, e, d, c, x):
         q.add_argument("--kind", default="eagle3")
         q.add_argument("--name", default=None, help="the study's folder under runs/study (default: --kind)")
         q.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()
-    {"plateau": plateau, "arms": arms, "eval": evaluate_arms, "adopt": adopt}[args.cmd](args)
+    commands = {"plateau": plateau, "arms": arms, "eval": evaluate_arms, "adopt": adopt, "controls": controls}
+    commands["export"] = export
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":

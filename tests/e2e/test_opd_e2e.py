@@ -84,3 +84,24 @@ def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tiny_target: Path,
     assert all(m["updates"] == 2 for m in rows) and [m["policy_version"] for m in rows] == [1, 2]
     out = run_dir / "checkpoints" / "opd" / "step_2" / "draft"
     load_standalone(out, target)
+
+
+def test_the_soft_label_control_trains_epochs_passes_over_each_step(
+    tiny_target: Path, tmp_path: Path
+) -> None:
+    """`algorithm=sft_on_rollouts_soft` with `learner.epochs=2`: the replay scores the committed continuations with
+    the teacher (no drafted block), the learner takes 2 x mini_batches updates a step, and the step's draft FLOPs
+    are twice one pass's (the same batch twice)."""
+    run_dir = tmp_path / "run"
+    r = run_main(
+        run_dir,
+        tiny_target,
+        "algorithm=sft_on_rollouts_soft",
+        "learner.mini_batches=2",
+        "learner.epochs=2",
+        "opd.steps=1",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["stage"] == "opd"]
+    assert row["updates"] == 4 and row["loss"] > 0
+    assert row["flops_draft"] > 0 and row["flops_target"] > 0
