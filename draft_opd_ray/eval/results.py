@@ -4,13 +4,12 @@
     results/<study>/<set>/<label>.json  one draft on one prompt set; <label> is <arm>_s<seed>, or branch
 
 The format is described field by field in `results/README.md`; `load_study` reads and checks a study dir
-(`python -m draft_opd_ray.compare results/<study>` recomputes every table from it), `write_result` writes one
-draft's file. Bad input raises `DataError` with one line naming the file and the field.
+(`python -m draft_opd_ray.compare results/<study>` recomputes every table from it; `bench/study.py export`
+writes one). Bad input raises `DataError` with one line naming the file and the field.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ class Study:
     question: str
     primary: Primary | None
     baseline: str  # the arm every other arm is compared against
-    notes: str
+    notes: str  # optional in the file ("" when absent)
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ def read_study(path: Path) -> Study:
         question=_field(data, "question", (str,), path),
         primary=primary,
         baseline=_field(data, "baseline", (str,), path),
-        notes=_field(data, "notes", (str,), path),
+        notes=_field(data, "notes", (str,), path) if "notes" in data else "",
     )
 
 
@@ -190,14 +189,3 @@ def load_study(path: str | Path) -> tuple[Study, dict[str, list[DraftResult]]]:
             _check_set(results, d)
             sets[d.name] = results
     return study, sets
-
-
-def write_result(study_dir: str | Path, result: DraftResult) -> Path:
-    """``<study_dir>/<set>/<label>.json`` holding ``result``; returns its path."""
-    path = Path(study_dir) / result.set / f"{result.label}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = dataclasses.asdict(result)
-    prompts = ",\n".join("  " + json.dumps(p) for p in data.pop("prompts"))
-    head = json.dumps(data, indent=1)[:-2]  # without the closing "\n}"
-    path.write_text(f'{head},\n "prompts": [\n{prompts}\n ]\n}}\n')
-    return path

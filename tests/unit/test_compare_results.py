@@ -265,6 +265,13 @@ def test_bad_results_are_one_error_line(
     assert err.startswith("error: ") and message in err
 
 
+def test_notes_are_optional(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = write_study(tmp_path / "toy")
+    (root / "study.json").write_text(json.dumps({k: v for k, v in STUDY.items() if k != "notes"}))
+    main([str(root)])
+    assert capsys.readouterr().out.startswith("# toy: does opd beat sft at matched FLOPs?\n")
+
+
 def test_a_dir_that_is_neither_results_nor_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = write_study(tmp_path / "toy")
     (root / "study.json").write_text("{not json")
