@@ -124,6 +124,8 @@ def _prompts(data: dict[str, Any], path: Path) -> tuple[Prompt, ...]:
         if p.steps < 0 or p.accepted < 0:
             raise DataError(f"{where}: negative counts (steps {p.steps}, accepted {p.accepted})")
         out.append(p)
+    if not out:
+        raise DataError(f"{path}: 'prompts' is empty")
     if len({p.key for p in out}) != len(out):
         raise DataError(f"{path}: prompt keys repeat")
     return tuple(sorted(out, key=lambda p: (0, int(p.key), "") if p.key.isdigit() else (1, 0, p.key)))

@@ -254,6 +254,7 @@ def _edit(path: Path, **changes: Any) -> None:
             {"prompts": [{"key": "0", "steps": -1, "accepted": 0}]},
             "prompts[0]: negative counts",
         ),
+        ("validation/sft_s0.json", {"prompts": []}, "sft_s0.json: 'prompts' is empty"),
     ],
 )
 def test_bad_results_are_one_error_line(
