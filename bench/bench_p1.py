@@ -25,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from draft_opd_ray.checkpoint import latest_folder
 from draft_opd_ray.data.prompts import prompt_ids
 from draft_opd_ray.eval.tau import measure_drafts
 from draft_opd_ray.models.target import ensure_embedded_target
@@ -88,9 +89,9 @@ def main() -> None:
     rows = [json.loads(x) for x in (opd_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("stage") == "opd" and "flops_draft" in r][-1]
     budget = last["flops_draft"] + last["flops_target"]
-    opd_draft = (
-        opd_dir / "checkpoints" / "opd" / (opd_dir / "checkpoints" / "opd" / "latest").read_text().strip()
-    )
+    opd_draft = latest_folder(opd_dir / "checkpoints" / "opd")
+    if opd_draft is None:
+        raise SystemExit(f"{opd_dir}: no opd checkpoint")
 
     sft_dir = rd / "sft"
     if "sft" not in skip:

@@ -1,8 +1,9 @@
 """Atomic checkpoints: `checkpoints/<stage>/step_<n>/` plus the `latest` pointer, for every stage.
 
-A checkpoint folder is filled under a temporary name and renamed into place, then `latest` (a text file holding
-`step_<n>`) is replaced by a rename too; a reader therefore sees either the previous complete checkpoint or the
-new one, never a half-written folder. `marker` names the file whose presence makes a folder complete.
+A checkpoint folder is filled under a temporary name and renamed into place, then `latest` (a relative symlink to
+`step_<n>`, so that a path can go through it: `checkpoints/opd/latest/draft`) is replaced by a rename too; a reader
+therefore sees either the previous complete checkpoint or the new one, never a half-written folder nor a missing
+`latest`. `marker` names the file whose presence makes a folder complete.
 
 Nothing in a run dir is unpickled: `load_state` reads training state with `torch.load(weights_only=True)`
 (tensors, numbers, strings, lists, dicts), and `SafeCheckpointEngine` makes DeepSpeed read its own checkpoint
@@ -131,10 +132,17 @@ def write_checkpoint(root: Path, name: str, fill: Callable[[Path], None]) -> Pat
     fill(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name + "\n")
-    os.replace(pointer, root / LATEST)
+    point_latest(root, name)
     return final
+
+
+def point_latest(root: Path, name: str) -> None:
+    """``root/latest`` made a symlink to ``name`` (relative: the run dir can move) in one step: the new link is made
+    beside it and renamed over it, and a rename replaces a link (or an older run's text file) whole."""
+    link = root / f".{LATEST}.tmp"
+    link.unlink(missing_ok=True)
+    os.symlink(name, link)
+    os.replace(link, root / LATEST)
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -157,14 +165,34 @@ def clean_leftovers(root: Path) -> list[str]:
     gone = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-") or p.name == f".{LATEST}.tmp")
     for name in gone:
         p = root / name
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     return gone
 
 
-def latest_checkpoint(root: Path, marker: str) -> Path | None:
-    """The folder ``root/latest`` names, if it holds ``marker``; None when there is none."""
+def latest_folder(root: Path) -> Path | None:
+    """The folder ``root/latest`` points to (whether or not it still exists); None when there is no pointer."""
     pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    folder = root / pointer.read_text().strip()
-    return folder if (folder / marker).is_file() else None
+    if pointer.is_symlink():
+        return root / os.readlink(pointer)
+    if pointer.is_file():  # a run dir from before `latest` became a symlink: a text file naming the step
+        return root / pointer.read_text().strip()
+    return None
+
+
+def latest_checkpoint(root: Path, marker: str) -> Path | None:
+    """The folder ``root/latest`` points to, if it holds ``marker``; None when there is none."""
+    folder = latest_folder(root)
+    return folder if folder is not None and (folder / marker).is_file() else None
+
+
+def real_path(path: str) -> str:
+    """``path`` absolute with every symlink resolved, a `latest` in it followed to the step it names (an old run
+    dir's text-file `latest` too): what vLLM and the actors are given, so the folder cannot change under a run when
+    a later checkpoint moves `latest`, and vLLM never takes a path it cannot find for a model-hub repo id. A path
+    that does not exist is returned as it is, for validation to name."""
+    here = Path()
+    for part in Path(path).expanduser().parts:
+        here = here / part
+        if part == LATEST and (folder := latest_folder(here.parent)) is not None:
+            here = folder
+    return str(here.resolve()) if here.exists() else path

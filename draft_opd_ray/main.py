@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from draft_opd_ray.checkpoint import real_path
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import register_configs, resumed_config, to_config
 from draft_opd_ray.config.validate import check_resumable, check_run_dir, validate
@@ -57,6 +58,9 @@ def _hydra_main(dcfg: DictConfig) -> None:
             dcfg = resumed_config(dcfg.resume, list(hc.overrides.task))
             check_resumable(Path(dcfg.resume), run_dir)
         cfg = to_config(dcfg)
+        # `.../latest/draft` as the step it names now, for every check, actor and vLLM engine of the run
+        if cfg.draft.path is not None:
+            cfg.draft.path = real_path(cfg.draft.path)
         plan = validate(cfg)
     except (DraftOPDError, OmegaConfBaseException) as e:
         if str(hc.output_subdir).startswith(

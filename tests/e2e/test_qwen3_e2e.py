@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -99,9 +100,9 @@ def test_qwen3_target_through_sft_opd_and_eval(tmp_path: Path) -> None:
 
     # both stages left a complete checkpoint; the SFT export is what the opd stage started from (eval below)
     sft_root = run_dir / "checkpoints" / "sft"
-    sft_draft = sft_root / (sft_root / "latest").read_text().strip() / "draft"
+    sft_draft = sft_root / os.readlink(sft_root / "latest") / "draft"
     assert (sft_draft / "config.json").is_file()
-    assert (run_dir / "checkpoints" / "opd" / "latest").read_text().strip() == "step_2"
+    assert os.readlink(run_dir / "checkpoints" / "opd" / "latest") == "step_2"
     draft = run_dir / "checkpoints" / "opd" / "step_2" / "draft"
     head = json.loads((draft / "config.json").read_text())
     assert head["architectures"] == ["LlamaForCausalLMEagle3"] and head["vocab_size"] <= vocab

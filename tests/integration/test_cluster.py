@@ -255,7 +255,7 @@ def test_four_job_multirun_on_one_cluster_leaves_nothing_behind(
         **{**local_cluster.env, "RAY_ADDRESS": local_cluster.address},
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    runs = sorted(p for p in sweep.iterdir() if (p / "checkpoints" / "opd" / "latest").is_file())
+    runs = sorted(p for p in sweep.iterdir() if (p / "checkpoints" / "opd" / "latest").is_symlink())
     assert len(runs) == 4
     import ray
     from ray.util.state import list_actors, list_placement_groups

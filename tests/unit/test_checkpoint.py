@@ -1,8 +1,10 @@
 """Atomic checkpoints (`draft_opd_ray.checkpoint`): a reader sees the previous complete checkpoint or the new one,
-never a half-written folder; `latest_checkpoint` finds only complete ones."""
+never a half-written folder nor a missing `latest`; `latest` is a symlink a path goes through; `latest_checkpoint`
+finds only complete ones, in new run dirs and in old ones whose `latest` is a text file."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,14 @@ def _fill(text: str):
 def test_write_points_latest_at_the_new_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints" / "opd"
     first = write_checkpoint(root, "step_1", _fill("one"))
-    assert first == root / "step_1" and (root / "latest").read_text() == "step_1\n"
+    assert first == root / "step_1" and (root / "latest").is_symlink()
+    assert os.readlink(root / "latest") == "step_1"  # relative: the run dir can move
+    assert (root / "latest" / "draft" / "weights").read_text() == "one"  # a path goes through it
     assert latest_checkpoint(root, "state.pt") == first
     second = write_checkpoint(root, "step_2", _fill("two"))
     assert latest_checkpoint(root, "state.pt") == second and (first / "state.pt").read_text() == "one"
+    assert os.readlink(root / "latest") == "step_2" and (root / "latest" / "state.pt").read_text() == "two"
+    assert not (root / ".latest.tmp").exists() and not (root / ".latest.tmp").is_symlink()
     again = write_checkpoint(root, "step_1", _fill("uno"))  # the same name replaces the old folder whole
     assert (again / "draft" / "weights").read_text() == "uno" and latest_checkpoint(root, "state.pt") == again
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2"]  # no temporaries left
@@ -41,7 +47,7 @@ def test_a_failing_fill_leaves_the_previous_checkpoint_and_latest(tmp_path: Path
 
     with pytest.raises(OSError, match="disk full"):
         write_checkpoint(root, "step_2", broken)
-    assert not (root / "step_2").exists() and (root / "latest").read_text() == "step_1\n"
+    assert not (root / "step_2").exists() and os.readlink(root / "latest") == "step_1"
     assert latest_checkpoint(root, "state.pt") == good and (good / "draft" / "weights").read_text() == "one"
     with pytest.raises(OSError, match="disk full"):  # overwriting an existing name fails safely too
         write_checkpoint(root, "step_1", broken)
@@ -51,6 +57,7 @@ def test_a_failing_fill_leaves_the_previous_checkpoint_and_latest(tmp_path: Path
 
 
 def test_latest_checkpoint_needs_a_pointer_and_the_marker(tmp_path: Path) -> None:
+    """Also the text-file `latest` that run dirs written before it became a symlink hold."""
     root = tmp_path / "ckpt"
     assert latest_checkpoint(root, "state.pt") is None  # no folder at all
     root.mkdir()
@@ -62,6 +69,84 @@ def test_latest_checkpoint_needs_a_pointer_and_the_marker(tmp_path: Path) -> Non
     assert latest_checkpoint(root, "state.pt") == root / "step_3"
     (root / "latest").write_text("step_9\n")
     assert latest_checkpoint(root, "state.pt") is None  # pointer to a folder that is gone
+
+
+def test_an_old_run_dirs_text_latest_is_read_and_the_next_checkpoint_makes_it_a_symlink(
+    tmp_path: Path,
+) -> None:
+    """A run dir written before `latest` became a symlink resumes: its text `latest` names the checkpoint, a path
+    through it is followed, and the resumed run's next checkpoint replaces the text file with a symlink."""
+    from draft_opd_ray.checkpoint import real_path
+
+    root = tmp_path / "old_run" / "checkpoints" / "opd"
+    (root / "step_1" / "draft").mkdir(parents=True)
+    (root / "step_1" / "state.pt").write_text("one")
+    (root / "latest").write_text("step_1\n")
+    assert latest_checkpoint(root, "state.pt") == root / "step_1"
+    assert real_path(str(root / "latest" / "draft")) == str((root / "step_1" / "draft").resolve())
+    write_checkpoint(root, "step_2", _fill("two"))
+    assert os.readlink(root / "latest") == "step_2" and latest_checkpoint(root, "state.pt") == root / "step_2"
+
+
+def test_real_path_follows_latest_to_the_step_it_names_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `draft.path=.../checkpoints/opd/latest/draft` becomes before any check or actor sees it."""
+    from draft_opd_ray.checkpoint import real_path
+
+    run = tmp_path / "run"
+    root = run / "checkpoints" / "opd"
+    write_checkpoint(root, "step_1", _fill("one"))
+    write_checkpoint(root, "step_2", _fill("two"))
+    step_2 = str((root / "step_2" / "draft").resolve())
+    assert real_path(str(root / "latest" / "draft")) == step_2
+    monkeypatch.chdir(tmp_path)  # relative, as typed from the dir above the run dir: made absolute
+    assert real_path("run/checkpoints/opd/latest/draft") == step_2
+    assert (
+        real_path("run/checkpoints/opd/latest/nothing") == "run/checkpoints/opd/latest/nothing"
+    )  # for validation
+    (tmp_path / "models" / "latest").mkdir(parents=True)  # a folder that happens to be called latest: kept
+    assert real_path("models/latest") == str((tmp_path / "models" / "latest").resolve())
+
+
+def test_a_reader_never_sees_a_missing_or_half_written_latest(tmp_path: Path) -> None:
+    """A writer process saves checkpoint after checkpoint while this process reads through `latest`: every read
+    finds a complete checkpoint (the new link is renamed over the old one, never removed first)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, "step_0", _fill("step_0"))
+    p = subprocess.Popen([sys.executable, "-c", _BUSY_WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    reads, seen, missing = 0, set(), []
+    while p.poll() is None:
+        try:
+            seen.add((root / "latest" / "draft" / "weights").read_text())
+            reads += 1
+        except OSError as e:
+            missing.append(repr(e))
+    assert p.returncode == 0 and not missing, missing[:3]
+    assert reads >= 20 and len(seen) >= 3, (reads, len(seen))  # the reads overlapped many writes
+    assert not (root / ".latest.tmp").is_symlink() and os.readlink(root / "latest") == "step_400"
+
+
+_BUSY_WRITER = """
+import sys
+from pathlib import Path
+from draft_opd_ray.checkpoint import write_checkpoint
+
+def fill(name):
+    def f(tmp):
+        (tmp / "draft").mkdir()
+        (tmp / "draft" / "weights").write_text(name)
+    return f
+
+root = Path(sys.argv[1])
+print("writing", flush=True)
+for i in range(1, 401):
+    write_checkpoint(root, f"step_{i}", fill(f"step_{i}"))
+"""
 
 
 _KILLED_WRITER = """
@@ -100,6 +185,8 @@ def test_a_kill_during_a_write_leaves_the_previous_checkpoint_and_the_next_start
     assert (root / "step_1" / "state.pt").read_text() == "one"
     assert clean_leftovers(root) == [".tmp-step_2"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"]
+    os.symlink("step_1", root / ".latest.tmp")  # killed between making the new link and renaming it
+    assert clean_leftovers(root) == [".latest.tmp"] and (root / "step_1" / "state.pt").read_text() == "one"
 
 
 class _Payload:
