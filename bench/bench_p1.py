@@ -28,7 +28,7 @@ from pathlib import Path
 from draft_opd_ray.checkpoint import latest_folder
 from draft_opd_ray.data.prompts import prompt_ids
 from draft_opd_ray.eval.tau import measure_drafts
-from draft_opd_ray.models.target import ensure_embedded_target
+from draft_opd_ray.models.embedded import ensure_embedded_target
 
 
 def sh(args: list[str], log: Path) -> None:

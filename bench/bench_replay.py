@@ -44,8 +44,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from draft_opd_ray.cache import default_cache_dir
     from draft_opd_ray.data.prompts import prompt_ids
-    from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target, target_stop_token_ids
+    from draft_opd_ray.models.embedded import ensure_embedded_target
+    from draft_opd_ray.models.target import target_stop_token_ids
     from draft_opd_ray.opd.batch import ReplayItem, pack_branches
     from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.sft.data import generate_trajectories, read_trajectories

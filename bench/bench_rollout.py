@@ -173,8 +173,8 @@ def main() -> None:
 
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
+    from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.standalone import build_standalone_from_target
-    from draft_opd_ray.models.target import ensure_embedded_target
     from draft_opd_ray.rollout.engine import SpecDecodeEngine
     from draft_opd_ray.rollout.records import consistency_error, tau, tau_vllm
 

@@ -50,10 +50,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     args = ap.parse_args()
 
+    from draft_opd_ray.cache import default_cache_dir
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.device import node_threads
+    from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.standalone import build_standalone_from_target
-    from draft_opd_ray.models.target import default_cache_dir, ensure_embedded_target, read_target_info
+    from draft_opd_ray.models.target import read_target_info
     from draft_opd_ray.opd.actors import loss_spec
     from draft_opd_ray.opd.learner import Learner
     from draft_opd_ray.opd.replay import ReplayActor

@@ -154,8 +154,9 @@ def main() -> None:
 
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
+    from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.standalone import build_standalone_from_target
-    from draft_opd_ray.models.target import ensure_embedded_target, read_target_info, stop_token_ids
+    from draft_opd_ray.models.target import read_target_info, stop_token_ids
     from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
     from draft_opd_ray.rollout.engine import Sampling
 

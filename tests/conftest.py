@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.models.target import ensure_embedded_target
+from draft_opd_ray.models.embedded import ensure_embedded_target
 from draft_opd_ray.models.tiny import build_tiny_target
 from draft_opd_ray.opd.batch import ReplayItem
 

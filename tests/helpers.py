@@ -246,6 +246,21 @@ def save_checked_against_its_target(
     return folder
 
 
+def write_fake_model(
+    folder: Path, *, config: bool = True, weights: bool = True, tokenizer: bool = True
+) -> Path:
+    """A model folder of placeholder files (config.json, weights, tokenizer) for the folder checks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if config:
+        cfg = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 16}
+        (folder / "config.json").write_text(json.dumps(cfg))
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"\0")
+    if tokenizer:
+        (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
 def edit_config(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Rewrite ``folder/config.json`` after ``edit`` changed it in place."""
     path = folder / "config.json"

@@ -28,7 +28,8 @@ def _check_draft_against_target(cfg: Config) -> None:
     """What the target's config.json can refute (the embedded target's shape is known without converting it):
     draft sizing, lengths, the teacher's top-k, a draft folder made for another target or kind, and whether the
     serving engine can serve this draft kind for the target's architecture."""
-    from draft_opd_ray.models.target import EMBEDDED_PREFIX, EMBEDDED_TARGET, target_info_for_checks
+    from draft_opd_ray.models.embedded import EMBEDDED_PREFIX, EMBEDDED_TARGET
+    from draft_opd_ray.models.target import target_info_for_checks
     from draft_opd_ray.rollout.support import check_engine_serves
 
     path = cfg.target.path
@@ -55,7 +56,7 @@ def _check_draft_against_target(cfg: Config) -> None:
 
 
 def cache_dir(cfg: Config) -> Path:
-    from draft_opd_ray.models.target import default_cache_dir
+    from draft_opd_ray.cache import default_cache_dir
 
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 

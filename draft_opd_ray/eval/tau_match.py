@@ -97,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from draft_opd_ray.data.prompts import prompt_ids
-    from draft_opd_ray.models.target import ensure_embedded_target
+    from draft_opd_ray.models.embedded import ensure_embedded_target
 
     target = ensure_embedded_target()
     k = args.k

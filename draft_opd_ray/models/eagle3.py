@@ -42,19 +42,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
+from draft_opd_ray.models.draft_folder import (
+    decoder_shape_from_json,
+    decoder_shape_json,
+    read_draft_folder,
+    write_draft_folder,
+)
 from draft_opd_ray.models.layers import RMSNorm, SwiGLU, apply_rope, init_weights
 from draft_opd_ray.models.target import (
     TargetInfo,
     check_layer_ids,
-    decoder_shape_from_json,
-    decoder_shape_json,
-    read_draft_folder,
     read_target_info,
     read_target_tensors,
     rope_theta_of,
     spread_layer_ids,
     target_config,
-    write_draft_folder,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

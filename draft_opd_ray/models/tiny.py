@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.target import EMBEDDED_PREFIX, TOKENIZER_FILES, resolve_target_path
+from draft_opd_ray.models.draft_folder import TOKENIZER_FILES
+from draft_opd_ray.models.embedded import EMBEDDED_PREFIX
+from draft_opd_ray.models.target import resolve_target_path
 
 
 def _tokenizer_source(tokenizer_from: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:

@@ -117,7 +117,8 @@ def run_sft_stage(
     answers (None: the target's own, `models.target.stop_token_ids`)."""
     from transformers import AutoTokenizer
 
-    from draft_opd_ray.models.target import default_cache_dir, read_target_info
+    from draft_opd_ray.cache import default_cache_dir
+    from draft_opd_ray.models.target import read_target_info
     from draft_opd_ray.models.target import stop_token_ids as target_stops
     from draft_opd_ray.sft.data import answer_trajectories, generate_trajectories, mix_trajectories
     from draft_opd_ray.slot_call import call_in_slot
