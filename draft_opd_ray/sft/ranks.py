@@ -67,18 +67,13 @@ class SFTRank:
         import torch
 
         from draft_opd_ray.distributed import release_process_group
-        from draft_opd_ray.sft.trainer import run_sft
+        from draft_opd_ray.sft.trainer import DPRank, run_sft
 
         if threads:
             torch.set_num_threads(threads)
         try:
             out = run_sft(
-                *args,
-                **kwargs,
-                metrics=self._keep,
-                rank=self.rank,
-                world_size=self.world_size,
-                master=master,
+                *args, **kwargs, metrics=self._keep, place=DPRank(self.rank, self.world_size, master)
             )
         finally:
             release_process_group()

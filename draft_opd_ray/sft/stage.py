@@ -179,31 +179,29 @@ def _train(
 ) -> Path:
     """`run_sft` in this process, or on the learner ranks of the reservation (features included)."""
     from draft_opd_ray.sft.ranks import run_sft_ranks
-    from draft_opd_ray.sft.trainer import run_sft
+    from draft_opd_ray.sft.trainer import SFTJob, run_sft
 
-    settings: dict[str, Any] = dict(
+    job = SFTJob(
         sft=cfg.sft,
         draft=cfg.draft,
+        optim=cfg.optim,
         learner=cfg.learner,
-        teacher=cfg.teacher,
         cache_dir=cache,
+        teacher=cfg.teacher,
         seed=cfg.seed,
+        resume=bool(cfg.resume),
     )
     if reservation is None:
-        draft = run_sft(
-            target, traj, run_dir, optim=cfg.optim, resume=bool(cfg.resume), metrics=log_row, **settings
-        )
+        draft = run_sft(job, target, traj, run_dir, metrics=log_row)
         release_process_group()
         return draft
     return run_sft_ranks(
         reservation,
         cfg.cluster.learner_ranks,
+        job,
         target,
         traj,
         run_dir,
         metrics=log_row,
         cpu_threads=cfg.cluster.gpus_per_node == 0,
-        optim=cfg.optim,
-        resume=bool(cfg.resume),
-        **settings,
     )

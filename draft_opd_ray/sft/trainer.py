@@ -1,17 +1,19 @@
 """The SFT loop for any draft kind (its recipe: `sft/recipes.py`) through a DeepSpeed engine.
 
-Reads top to bottom: ``run_sft`` = set up (the recipe's draft, the feature source, the engine, resume) -> train
-(AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first of: ``sft.train_tokens``,
-``sft.epochs`` passes, ``sft.max_flops`` training FLOPs, the optional ``sft.time_budget_min`` wall-clock cap on
-features + training) -> export checkpoints (at ``sft.curve_tokens`` and at the end).
+Reads top to bottom: ``run_sft(job)`` = set up (the recipe's draft, the feature source, the engine, resume) ->
+train (AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first rule of the `Budget`:
+``sft.train_tokens``, ``sft.epochs`` passes, ``sft.max_flops`` training FLOPs, the optional
+``sft.time_budget_min`` wall-clock cap on features + training) -> export checkpoints (at ``sft.curve_tokens`` and
+at the end). The loop carries its engine, state, clock and pending exports in one `Loop`; a checkpoint keeps the
+`TrainState` part of it.
 
 Checkpoints (`draft_opd_ray.checkpoint`): ``<run_dir>/checkpoints/sft/step_<n>/`` holds ``draft/`` (the folder
 vLLM serves), ``deepspeed/`` (engine + optimizer state) and ``training_state.pt`` (step, elapsed time, data
-position, FLOPs), then ``checkpoints/sft/latest`` names it. ``resume=True`` continues from ``latest``. Metrics
+position, FLOPs), then ``checkpoints/sft/latest`` names it. ``job.resume`` continues from ``latest``. Metrics
 go to ``metrics.jsonl`` (one JSON object per step: stage, step, time, loss, loss_i, acc_i, lr, tokens_per_s,
 flops_draft, flops_target).
 
-Data-parallel ranks (``rank``/``world_size``/``master``; `sft/ranks.py` starts them as Ray actors): every rank
+Data-parallel ranks (`DPRank`; `sft/ranks.py` starts them as Ray actors): every rank
 walks the same global batches and schedule and trains on its share of each batch (about equal tokens). The loss is
 normalised by the global batch's counts (the recipe's ``reduce``) and scaled by the rank count, so that after
 DeepSpeed averages the gradients L ranks update exactly as one rank on the whole batch; token counts, FLOPs and
@@ -39,7 +41,7 @@ from draft_opd_ray.device import actor_device, resolve_dtype
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import json_line
-from draft_opd_ray.models.target import read_target_info
+from draft_opd_ray.models.target import TargetInfo, read_target_info
 from draft_opd_ray.opd.batch import balanced_shards
 from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
@@ -108,8 +110,77 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Schedule and state
+# The job, the budget and the loop's state
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTJob:
+    """What `run_sft` trains: the run's sub-configs and what only the run knows (cache, seed, resume)."""
+
+    sft: SFTConfig
+    draft: DraftConfig
+    optim: OptimConfig
+    learner: LearnerConfig  # zero_stage, dtype, backend of the engine
+    cache_dir: Path  # the feature cache goes under <cache_dir>/sft_features
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    seed: int = 0
+    resume: bool = False  # continue from checkpoints/sft/latest
+    init: str = "target"  # a new draft's initialisation (`sft/recipes.py`)
+    feature_mode: str = "cache"  # cache: one feature pass, cached; on_the_fly: the target run per batch
+    max_seq_len: int = 1024  # prompt + answer cut here
+    max_steps: int | None = None  # a cap on steps (tests)
+
+
+@dataclass(frozen=True)
+class DPRank:
+    """This process's place in the data-parallel group (module docstring): one rank alone by default."""
+
+    rank: int = 0
+    world_size: int = 1
+    master: tuple[str, int] | None = None  # rank 0's rendezvous address (None: one rank)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When SFT stops (the first rule reached ends it) and what it exports on the way. The study-only settings
+    (``sft.max_flops``, ``sft.time_budget_min``, ``sft.curve_tokens``, ``sft.start_from``) are read here only."""
+
+    train_tokens: int | None  # trained (loss) tokens; None: epochs only
+    epochs: int  # passes over the answers (a cap)
+    max_flops: float | None = None  # draft + target training FLOPs
+    time_s: float = math.inf  # wall clock on features + training
+    curve_tokens: tuple[int, ...] = ()  # extra exports at these trained-token counts
+    start_from: str | None = (
+        None  # continue an exported draft (the matched-FLOPs baseline) instead of a new one
+    )
+    max_steps: int | None = None  # a cap on steps (tests)
+
+    @classmethod
+    def of(cls, sft: SFTConfig, max_steps: int | None = None) -> Budget:
+        return cls(
+            train_tokens=sft.train_tokens,
+            epochs=sft.epochs,
+            max_flops=sft.max_flops,
+            time_s=math.inf if sft.time_budget_min is None else sft.time_budget_min * 60,
+            curve_tokens=tuple(sft.curve_tokens),
+            start_from=sft.start_from,
+            max_steps=max_steps,
+        )
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The steps the epochs (and the test cap) allow: the schedule's step count."""
+        steps = steps_per_epoch * self.epochs
+        return steps if self.max_steps is None else min(self.max_steps, steps)
+
+    def spent(self, state: TrainState, out_of_time: bool) -> bool:
+        """Whether any budget has ended: trained tokens, FLOPs, the wall-clock cap, or the test cap on steps."""
+        return (
+            out_of_time
+            or (self.max_steps is not None and state.step >= self.max_steps)
+            or (self.max_flops is not None and state.flops_draft + state.flops_target >= self.max_flops)
+            or (self.train_tokens is not None and state.tokens >= self.train_tokens)
+        )
 
 
 def schedule_progress(
@@ -132,14 +203,14 @@ def schedule_progress(
 
 
 def progress_measure(
-    state: TrainState, sft: SFTConfig, total_steps: int, flops0: float
+    state: TrainState, budget: Budget, total_steps: int, flops0: float
 ) -> tuple[float, float, str]:
     """The progress bar's (total, done, unit) in the budget that ends training: FLOPs for the matched-FLOPs arm
     (``sft.max_flops``), else trained tokens, else steps of ``sft.epochs``; so its ETA is the run's."""
-    if sft.max_flops is not None:
-        return sft.max_flops - flops0, state.flops_draft + state.flops_target - flops0, "FLOP"
-    if sft.train_tokens is not None:
-        return sft.train_tokens, state.tokens, "tok"
+    if budget.max_flops is not None:
+        return budget.max_flops - flops0, state.flops_draft + state.flops_target - flops0, "FLOP"
+    if budget.train_tokens is not None:
+        return budget.train_tokens, state.tokens, "tok"
     return total_steps, state.step, "step"
 
 
@@ -160,6 +231,8 @@ def epoch_cap_note(tokens: int, epochs_done: int, epochs: int, train_tokens: int
 
 @dataclass
 class TrainState:
+    """What a checkpoint keeps of the loop (``training_state.pt``), so that a resumed run continues it."""
+
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
@@ -170,6 +243,37 @@ class TrainState:
     flops_draft: float = 0.0
     flops_target: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Loop:
+    """What the training loop carries: the engine and what feeds it, the persisted `TrainState`, the clock charged
+    to the time budget, the curve marks still to export and where exports and metrics go."""
+
+    engine: Any  # DeepSpeed engine over the recipe's model
+    opt: Any  # its optimizer (the lr is set per step)
+    recipe: Recipe
+    source: FeatureCache | OnTheFlyFeatures
+    state: TrainState
+    info: TargetInfo
+    dtype: torch.dtype  # the engine's precision, the features' too
+    charge_target: bool  # charge a target forward to every batch (features on the fly, or a continued draft)
+    root: Path  # checkpoints/sft
+    target: Path
+    emit: MetricsCallback
+    pending: list[int] = field(default_factory=list)  # curve marks (trained tokens) not yet exported
+    flops0: float = 0.0  # FLOPs charged before the first step (the cached features'), outside the schedule
+    start_used: float = 0.0  # budget seconds used when this process started training
+    wall0: float = field(default_factory=time.monotonic)
+    final: Path | None = None  # the last export
+
+    def used_s(self) -> float:
+        """Wall-clock seconds charged to the budget so far."""
+        return self.start_used + (time.monotonic() - self.wall0)
+
+    def flops(self) -> float:
+        """Training FLOPs since the schedule began."""
+        return self.state.flops_draft + self.state.flops_target - self.flops0
 
 
 def save_checkpoint(
@@ -196,6 +300,11 @@ def save_checkpoint(
     return write_checkpoint(root, name, fill) / "draft"
 
 
+def _export(loop: Loop) -> None:
+    """A checkpoint of the loop now, which becomes its last export."""
+    loop.final = save_checkpoint(loop.engine, loop.state, loop.root, loop.target, loop.recipe)
+
+
 def _broadcast_path(path: Path | None) -> Path:
     """Rank 0's ``path``, on every rank."""
     import torch.distributed as dist
@@ -216,23 +325,22 @@ def _jsonl_writer(path: Path) -> MetricsCallback:
 
 
 # --------------------------------------------------------------------------------------------------
-# The loop
+# Set-up
 # --------------------------------------------------------------------------------------------------
 
 
-def _cache_path(
-    trajectories: Path,
-    recipe: Recipe,
-    teacher: TeacherConfig,
-    dtype_name: str,
-    cache_dir: str | os.PathLike[str],
-) -> Path:
+def _cache_path(trajectories: Path, recipe: Recipe, job: SFTJob) -> Path:
     """The feature cache folder of these trajectories for this recipe, teacher and stored precision."""
-    topk = teacher.kept(len(recipe.label_ids))
+    topk = job.teacher.kept(len(recipe.label_ids))
     key = FeatureCache.key(
-        trajectories, recipe.feature_ids, recipe.label_ids, topk, dtype_name, forward_dtype(teacher.dtype)
+        trajectories,
+        recipe.feature_ids,
+        recipe.label_ids,
+        topk,
+        resolve_dtype(job.learner.dtype),
+        forward_dtype(job.teacher.dtype),
     )
-    return Path(cache_dir) / "sft_features" / key
+    return Path(job.cache_dir) / "sft_features" / key
 
 
 def _feature_source(
@@ -241,56 +349,43 @@ def _feature_source(
     recipe: Recipe,
     seqs: Sequence[Sequence[int]],
     plens: Sequence[int],
-    *,
-    mode: str,
-    teacher: TeacherConfig,
-    dtype_name: str,
-    cache_dir: str | os.PathLike[str],
+    job: SFTJob,
 ) -> FeatureCache | OnTheFlyFeatures:
     """Target features + the teacher's top-k soft labels (`teacher.topk`, null = the whole label vocabulary),
     the target run in `teacher.dtype` on this rank's device: built once and cached (``cache``; the ranks of the
     group share the pass, `FeatureCache.build`) or computed per batch."""
     aux, draft_ids = recipe.feature_ids, recipe.label_ids
-    topk = teacher.kept(len(draft_ids))
-    forward = forward_dtype(teacher.dtype)
-    if mode == "cache":
+    topk = job.teacher.kept(len(draft_ids))
+    forward = forward_dtype(job.teacher.dtype)
+    if job.feature_mode == "cache":
         return FeatureCache.build(
             target,
             seqs,
             plens,
-            _cache_path(trajectories, recipe, teacher, dtype_name, cache_dir),
+            _cache_path(trajectories, recipe, job),
             aux,
             draft_ids,
             topk=topk,
-            dtype=_DTYPES[dtype_name],
+            dtype=_DTYPES[resolve_dtype(job.learner.dtype)],
             forward=forward,
             rank=world()[0],
             world_size=world()[1],
             barrier=_barrier,
         )
-    if mode == "on_the_fly":
+    if job.feature_mode == "on_the_fly":
         return OnTheFlyFeatures(target, seqs, plens, aux, draft_ids, topk, forward)
-    raise ValueError(f"feature_mode must be 'cache' or 'on_the_fly', got {mode!r}")
+    raise ValueError(f"feature_mode must be 'cache' or 'on_the_fly', got {job.feature_mode!r}")
 
 
-def _engine(
-    model: torch.nn.Module,
-    kind: str,
-    draft: DraftConfig,
-    sft: SFTConfig,
-    optim: OptimConfig,
-    learner: LearnerConfig,
-    rank: int = 0,
-    world_size: int = 1,
-    master: tuple[str, int] | None = None,
-) -> tuple[Any, Any]:
+def _engine(model: torch.nn.Module, kind: str, job: SFTJob, place: DPRank) -> tuple[Any, Any]:
     """DeepSpeed engine (ZeRO stage and precision from ``learner``) over the weights both arms train; AdamW. The
     process joins the data-parallel group (one rank: a group of one) first."""
-    init_process_group(learner.backend, rank=rank, world_size=world_size, master=master)
+    learner, optim = job.learner, job.optim
+    init_process_group(learner.backend, rank=place.rank, world_size=place.world_size, master=place.master)
     engine, opt, _ = build_engine(
         model,
-        trainable_parameters(model, kind, draft.train_lm_head),
-        lr=sft.lr,
+        trainable_parameters(model, kind, job.draft.train_lm_head),
+        lr=job.sft.lr,
         betas=optim.betas,
         weight_decay=optim.weight_decay,
         zero_stage=learner.zero_stage,
@@ -308,92 +403,68 @@ def _sequences(trajectories: str | os.PathLike[str], max_seq_len: int) -> tuple[
 
 
 def run_sft(
+    job: SFTJob,
     target: str | os.PathLike[str],
     trajectories: str | os.PathLike[str],
     run_dir: str | os.PathLike[str],
     *,
-    sft: SFTConfig,
-    draft: DraftConfig,
-    optim: OptimConfig,
-    learner: LearnerConfig,
-    cache_dir: str | os.PathLike[str],
-    init: str = "target",
-    feature_mode: str = "cache",
-    teacher: TeacherConfig | None = None,
-    max_seq_len: int = 1024,
-    max_steps: int | None = None,
-    resume: bool = False,
-    seed: int = 0,
     metrics: MetricsCallback | None = None,
     progress: bool = True,
-    rank: int = 0,
-    world_size: int = 1,
-    master: tuple[str, int] | None = None,
+    place: DPRank = DPRank(),
 ) -> Path:
-    """Train ``draft.kind``'s recipe on target trajectories; returns the final vLLM-loadable draft folder.
+    """Train ``job.draft.kind``'s recipe on target trajectories; returns the final vLLM-loadable draft folder.
 
-    Uses sft.{train_tokens, epochs, batch_tokens, lr, time_budget_min, curve_tokens, start_from, max_flops},
-    the draft's sizing, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage,
-    dtype, backend}. ``sft.curve_tokens``: extra exports at these trained-token counts (a tau-vs-compute curve);
-    the last one is at the end. ``max_steps`` caps steps (tests). The optional wall-clock cap covers feature
-    building and training.
+    Uses sft.{train_tokens, epochs, batch_tokens, lr} and the study-only settings read by :class:`Budget`, the
+    draft's sizing, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage, dtype,
+    backend}. ``sft.curve_tokens``: extra exports at these trained-token counts (a tau-vs-compute curve); the last
+    one is at the end. The optional wall-clock cap covers feature building and training.
     ``sft.start_from``: continue from an exported draft (its weights and vocabulary; fresh optimizer) instead of
     a new one; then the target forward of every batch is charged as if its features were computed on the fly
     (the matched-FLOPs baseline, P1). ``sft.max_flops``: stop once draft + target FLOPs reach it.
 
-    ``rank``, ``world_size``, ``master``: this process's place in the data-parallel group (module docstring);
-    only rank 0 emits metrics and shows progress. The ranks share the feature pass, each on its own device, and
-    each reads the cached rows of its share of a batch (`sft/features.py`).
+    ``place``: this process's place in the data-parallel group (module docstring); only rank 0 emits metrics and
+    shows progress. The ranks share the feature pass, each on its own device, and each reads the cached rows of
+    its share of a batch (`sft/features.py`).
     """
     t0 = time.monotonic()
     target, run_dir = Path(target), Path(run_dir)
-    root = run_dir / "checkpoints" / "sft"
-    if rank != 0:
+    budget = Budget.of(job.sft, job.max_steps)
+    if place.rank != 0:
         metrics, progress = (lambda m: None), False
     emit = metrics or _jsonl_writer(run_dir / "metrics.jsonl")
     info = read_target_info(target)
-    seqs, plens = _sequences(trajectories, max_seq_len)
+    seqs, plens = _sequences(trajectories, job.max_seq_len)
     recipe = build_recipe(
-        target, draft, seqs=seqs, prompt_lens=plens, init=init, start_from=sft.start_from, seed=seed
+        target,
+        job.draft,
+        seqs=seqs,
+        prompt_lens=plens,
+        init=job.init,
+        start_from=budget.start_from,
+        seed=job.seed,
     )
     # the group first: the ranks split the feature pass and wait for each other's shards
-    init_process_group(learner.backend, rank=rank, world_size=world_size, master=master)
-    source = _feature_source(
-        target,
-        Path(trajectories),
-        recipe,
-        seqs,
-        plens,
-        mode=feature_mode,
-        teacher=teacher or TeacherConfig(),
-        dtype_name=resolve_dtype(learner.dtype),
-        cache_dir=cache_dir,
-    )
+    init_process_group(job.learner.backend, rank=place.rank, world_size=place.world_size, master=place.master)
+    source = _feature_source(target, Path(trajectories), recipe, seqs, plens, job)
     feature_s = time.monotonic() - t0
-    engine, opt = _engine(recipe.model, recipe.kind, draft, sft, optim, learner, rank, world_size, master)
-
-    state = _start_state(
-        engine, root, resume, feature_s, feature_mode == "cache" and sft.start_from is None, info, seqs
-    )
-    charge_target = feature_mode == "on_the_fly" or sft.start_from is not None
-    final = _train(
+    engine, opt = _engine(recipe.model, recipe.kind, job, place)
+    root = run_dir / "checkpoints" / "sft"
+    cached = job.feature_mode == "cache" and budget.start_from is None
+    state = _start_state(engine, root, job.resume, feature_s, cached, info, seqs)
+    loop = Loop(
         engine,
         opt,
         recipe,
         source,
         state,
-        sft,
-        optim,
-        learner,
         info,
-        root,
-        target,
-        emit,
-        max_steps=max_steps,
-        seed=seed,
-        charge_target=charge_target,
-        progress=progress,
+        dtype=_DTYPES[resolve_dtype(job.learner.dtype)],
+        charge_target=not cached,
+        root=root,
+        target=target,
+        emit=emit,
     )
+    final = _train(loop, budget, job, progress)
     emit(
         {
             "stage": "sft",
@@ -429,14 +500,9 @@ def _start_state(
     return state
 
 
-def _budget_spent(state: TrainState, sft: SFTConfig, out_of_time: bool, max_steps: int | None) -> bool:
-    """Whether any budget has ended: trained tokens, FLOPs, the wall-clock cap, or the test cap on steps."""
-    return (
-        out_of_time
-        or (max_steps is not None and state.step >= max_steps)
-        or (sft.max_flops is not None and state.flops_draft + state.flops_target >= sft.max_flops)
-        or (sft.train_tokens is not None and state.tokens >= sft.train_tokens)
-    )
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
 
 
 def _step_row(
@@ -496,94 +562,80 @@ def _step(
     return values[0], dict(zip(m, values[1:])), whole
 
 
-def _train(
-    engine: Any,
-    opt: Any,
-    recipe: Recipe,
-    source: FeatureCache | OnTheFlyFeatures,
-    state: TrainState,
-    sft: SFTConfig,
-    optim: OptimConfig,
-    learner: LearnerConfig,
-    info: Any,
-    root: Path,
-    target: Path,
-    emit: MetricsCallback,
-    *,
-    max_steps: int | None,
-    seed: int,
-    charge_target: bool,
-    progress: bool,
-) -> Path:
-    """The steps from ``state`` on until a budget ends; checkpoints at ``sft.curve_tokens`` and at the end."""
-    budget_s = math.inf if sft.time_budget_min is None else sft.time_budget_min * 60
-    dtype = _DTYPES[resolve_dtype(learner.dtype)]
-    start_used, wall0 = state.budget_s_used, time.monotonic()
-    pending = sorted(t for t in sft.curve_tokens if t > state.tokens)
-    flops0 = 0.0 if state.step else state.flops_draft + state.flops_target  # the cached features' FLOPs
-    lengths = [source.length(i) for i in range(len(source))]
-    steps_per_epoch = len(length_batches(lengths, sft.batch_tokens, seed))
-    total_steps = (
-        steps_per_epoch * sft.epochs if max_steps is None else min(max_steps, steps_per_epoch * sft.epochs)
-    )
-    total, initial, unit = progress_measure(state, sft, total_steps, flops0)
+def _train(loop: Loop, budget: Budget, job: SFTJob, progress: bool) -> Path:
+    """The steps from ``loop.state`` on until a budget ends; checkpoints at ``sft.curve_tokens`` and at the end."""
+    state, sft = loop.state, job.sft
+    loop.start_used, loop.wall0 = state.budget_s_used, time.monotonic()
+    loop.pending = sorted(t for t in budget.curve_tokens if t > state.tokens)
+    loop.flops0 = 0.0 if state.step else state.flops_draft + state.flops_target  # the cached features' FLOPs
+    lengths = [loop.source.length(i) for i in range(len(loop.source))]
+    total_steps = budget.total_steps(len(length_batches(lengths, sft.batch_tokens, job.seed)))
+    total, initial, unit = progress_measure(state, budget, total_steps, loop.flops0)
     bar = tqdm(
         total=total, initial=initial, desc="sft", unit=unit, unit_scale=unit != "step", disable=not progress
     )
-    final: Path | None = None
-    while state.epoch < sft.epochs:
-        batches = length_batches(lengths, sft.batch_tokens, seed + state.epoch)
-        while state.batch_in_epoch < len(batches):
-            used = start_used + (time.monotonic() - wall0)
-            if _budget_spent(state, sft, _out_of_time(used, budget_s), max_steps):
-                break
-            progress_frac = schedule_progress(
-                state.step,
-                total_steps,
-                state.tokens,
-                sft.train_tokens,
-                state.flops_draft + state.flops_target - flops0,
-                None if sft.max_flops is None else sft.max_flops - flops0,
-            )
-            lr = sft.lr * lr_factor(progress_frac, optim.warmup_ratio, optim.schedule)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            tic = time.monotonic()
-            loss, m, batch = _step(engine, recipe, source, batches[state.batch_in_epoch], dtype)
-            dt = time.monotonic() - tic
-            B, T = batch["input_ids"].shape
-            ntok = int(batch["loss_mask"].sum())
-            state.step += 1
-            state.batch_in_epoch += 1
-            state.train_s += dt
-            state.tokens += ntok
-            state.flops_draft += recipe.flops(batch)
-            if charge_target:
-                state.flops_target += target_forward_flops(info, B, T)
-            state.budget_s_used = start_used + (time.monotonic() - wall0)
-            emit(_step_row(state, loss, m, lr, ntok, B * T, dt))
-            bar.update(progress_measure(state, sft, total_steps, flops0)[1] - bar.n)
-            bar.set_postfix(
-                step=state.step,
-                loss=f"{loss:.3f}",
-                acc=f"{m.get('acc_0', m.get('acc_1', 0)):.2f}",
-                tok_s=f"{ntok / dt:.0f}",
-            )
-            if pending and state.tokens >= pending[0]:
-                pending = [p for p in pending if p > state.tokens]
-                final = save_checkpoint(engine, state, root, target, recipe)
-        else:
-            state.epoch += 1
-            state.batch_in_epoch = 0
-            note = epoch_cap_note(state.tokens, state.epoch, sft.epochs, sft.train_tokens)
-            if note and state.epoch == 1 and world()[0] == 0:
-                log.warning(note)
-            continue
-        break
+    while state.epoch < budget.epochs:
+        batches = length_batches(lengths, sft.batch_tokens, job.seed + state.epoch)
+        if not _epoch(loop, budget, job, batches, total_steps, bar):
+            break
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        note = epoch_cap_note(state.tokens, state.epoch, budget.epochs, budget.train_tokens)
+        if note and state.epoch == 1 and world()[0] == 0:
+            log.warning(note)
     bar.close()
-    note = epoch_cap_note(state.tokens, state.epoch, sft.epochs, sft.train_tokens)
-    if note and state.epoch >= sft.epochs and world()[0] == 0:
+    note = epoch_cap_note(state.tokens, state.epoch, budget.epochs, budget.train_tokens)
+    if note and state.epoch >= budget.epochs and world()[0] == 0:
         log.warning(note.replace("will end", "ended"))
-    if final is None or state.checkpoints[-1] != f"step_{state.step}":
-        final = save_checkpoint(engine, state, root, target, recipe)
-    return final
+    if loop.final is None or state.checkpoints[-1] != f"step_{state.step}":
+        _export(loop)
+    assert loop.final is not None
+    return loop.final
+
+
+def _epoch(
+    loop: Loop, budget: Budget, job: SFTJob, batches: Sequence[Sequence[int]], total_steps: int, bar: Any
+) -> bool:
+    """The rest of this epoch's batches; False when a budget ended it before its last batch."""
+    state = loop.state
+    while state.batch_in_epoch < len(batches):
+        if budget.spent(state, _out_of_time(loop.used_s(), budget.time_s)):
+            return False
+        progress_frac = schedule_progress(
+            state.step,
+            total_steps,
+            state.tokens,
+            budget.train_tokens,
+            loop.flops(),
+            None if budget.max_flops is None else budget.max_flops - loop.flops0,
+        )
+        lr = job.sft.lr * lr_factor(progress_frac, job.optim.warmup_ratio, job.optim.schedule)
+        for g in loop.opt.param_groups:
+            g["lr"] = lr
+        tic = time.monotonic()
+        loss, m, batch = _step(
+            loop.engine, loop.recipe, loop.source, batches[state.batch_in_epoch], loop.dtype
+        )
+        dt = time.monotonic() - tic
+        B, T = batch["input_ids"].shape
+        ntok = int(batch["loss_mask"].sum())
+        state.step += 1
+        state.batch_in_epoch += 1
+        state.train_s += dt
+        state.tokens += ntok
+        state.flops_draft += loop.recipe.flops(batch)
+        if loop.charge_target:
+            state.flops_target += target_forward_flops(loop.info, B, T)
+        state.budget_s_used = loop.used_s()
+        loop.emit(_step_row(state, loss, m, lr, ntok, B * T, dt))
+        bar.update(progress_measure(state, budget, total_steps, loop.flops0)[1] - bar.n)
+        bar.set_postfix(
+            step=state.step,
+            loss=f"{loss:.3f}",
+            acc=f"{m.get('acc_0', m.get('acc_1', 0)):.2f}",
+            tok_s=f"{ntok / dt:.0f}",
+        )
+        if loop.pending and state.tokens >= loop.pending[0]:
+            loop.pending = [p for p in loop.pending if p > state.tokens]
+            _export(loop)
+    return True

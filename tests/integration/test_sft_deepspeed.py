@@ -14,7 +14,7 @@ import torch
 
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
 from draft_opd_ray.models.eagle3 import load_eagle3
-from draft_opd_ray.sft.trainer import run_sft
+from draft_opd_ray.sft.trainer import SFTJob, run_sft
 
 pytestmark = pytest.mark.deepspeed
 
@@ -23,10 +23,7 @@ def _run(
     target: Path, traj: Path, run_dir: Path, steps: int, draft: DraftConfig, resume: bool = False
 ) -> tuple[Path, list[dict]]:
     rec: list[dict] = []
-    out = run_sft(
-        target,
-        traj,
-        run_dir,
+    job = SFTJob(
         sft=SFTConfig(epochs=50, train_tokens=None, batch_tokens=4096, lr=3e-3, time_budget_min=5),
         draft=draft,
         optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
@@ -34,9 +31,8 @@ def _run(
         cache_dir=run_dir.parent / "cache",
         max_steps=steps,
         resume=resume,
-        metrics=rec.append,
-        progress=False,
     )
+    out = run_sft(job, target, traj, run_dir, metrics=rec.append, progress=False)
     return out, rec
 
 

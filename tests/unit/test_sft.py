@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,16 +243,19 @@ def test_progress_bar_counts_the_budget_that_ends_training() -> None:
     """The matched-FLOPs arm's bar counts FLOPs (its ETA was the 1,000-epoch guard's, "51 h", for a 3-minute run);
     a token budget counts tokens; epochs alone count steps."""
     from draft_opd_ray.config.schema import SFTConfig
-    from draft_opd_ray.sft.trainer import TrainState, progress_measure
+    from draft_opd_ray.sft.trainer import Budget, TrainState, progress_measure
+
+    def budget(**kw: Any) -> Budget:
+        return Budget.of(SFTConfig(**kw))
 
     state = TrainState(step=10, tokens=4000, flops_draft=2e12, flops_target=5e12)
-    assert progress_measure(state, SFTConfig(train_tokens=None, max_flops=1e13), 640_000, 0.0) == (
+    assert progress_measure(state, budget(train_tokens=None, max_flops=1e13), 640_000, 0.0) == (
         1e13,
         7e12,
         "FLOP",
     )
-    assert progress_measure(state, SFTConfig(train_tokens=8000), 640_000, 1e12) == (8000, 4000, "tok")
-    assert progress_measure(state, SFTConfig(train_tokens=None), 640, 0.0) == (640, 10, "step")
+    assert progress_measure(state, budget(train_tokens=8000), 640_000, 1e12) == (8000, 4000, "tok")
+    assert progress_measure(state, budget(train_tokens=None), 640, 0.0) == (640, 10, "step")
 
 
 def test_lr_schedule() -> None:
