@@ -19,54 +19,35 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.config.schema import DEFAULT_DRAFT_VOCAB, Config
+from draft_opd_ray.config.schema import Config
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import release_process_group
 from draft_opd_ray.sft.ranks import Reservation
 
 
 def _sft_key(cfg: Config) -> dict[str, Any]:
-    """The SFT settings that change the trained draft (not reuse or extra exports; dataset_answers once set)."""
+    """The SFT settings that change the trained draft: all but ``reuse`` and the extra exports
+    (``sft.curve_tokens``); the answers' precision as this hardware resolves ``auto``."""
     d = dataclasses.asdict(cfg.sft)
     for k in ("reuse", "curve_tokens"):
         d.pop(k)
-    for k in ("start_from", "max_flops", "time_budget_min"):
-        if d[k] is None:
-            d.pop(k)
-    if not d["dataset_answers"]:
-        d.pop("dataset_answers")
     d["trajectory_dtype"] = resolve_dtype(d["trajectory_dtype"])
-    if d["trajectory_dtype"] == "float32":
-        d.pop("trajectory_dtype")
     return d
-
-
-def _draft_key(cfg: Config) -> dict[str, Any]:
-    """The draft's settings as they were keyed before `draft_vocab_size` could be None (its default then: the
-    default's value), so cached warm starts stay found."""
-    d = dataclasses.asdict(cfg.draft)
-    if d["draft_vocab_size"] is None:
-        d["draft_vocab_size"] = DEFAULT_DRAFT_VOCAB
-    return d
-
-
-# The stop ids every warm start was generated with before they came from the target (SmolLM2's eos): keys of
-# warm starts made with exactly these stay what they were, so the SmolLM2 caches are still found.
-_KEYED_BEFORE_STOP_IDS = (2,)
 
 
 def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]], stop: Sequence[int]) -> str:
+    """The warm start's cache key: the target, the settings that change the draft, the prompts and the ids that end
+    the target's answers."""
     parts: list[Any] = [
         target,
         _sft_key(cfg),
-        _draft_key(cfg),
+        dataclasses.asdict(cfg.draft),
         dataclasses.asdict(cfg.optim),
         dataclasses.asdict(cfg.teacher),
         resolve_dtype(cfg.learner.dtype),
         cfg.seed,
+        {"stop_token_ids": list(stop)},
     ]
-    if tuple(stop) != _KEYED_BEFORE_STOP_IDS:
-        parts.append({"stop_token_ids": list(stop)})
     h = hashlib.sha256()
     h.update(json.dumps(parts, sort_keys=True).encode())
     for p in prompts:

@@ -352,3 +352,27 @@ def test_trajectory_cache_key_names_the_generation_precision(embedded_target: Pa
         h.update(json.dumps(p).encode())
     assert f32 == h.hexdigest()[:20] == cache_key(target, prompts, 256, (2,), "float32")
     assert cache_key(target, prompts, 256, (2,), "bfloat16") != f32
+
+
+def test_warm_start_key_names_what_changes_the_draft() -> None:
+    """The warm start's cache key moves with every setting that changes the trained draft (here the lr, a study
+    budget, the draft vocabulary as written, the prompts, the stop ids) and not with reuse or the extra exports."""
+    import dataclasses
+
+    from draft_opd_ray.config.schema import Config, DraftConfig
+    from draft_opd_ray.sft.stage import _key
+
+    cfg = Config()
+
+    def sft(**kw: Any) -> Config:
+        return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, **kw))
+
+    base = _key(cfg, "t", [[5, 6]], (2,))
+    assert _key(sft(reuse=False, curve_tokens=[100]), "t", [[5, 6]], (2,)) == base
+    others = [
+        sft(lr=2e-3),
+        sft(max_flops=1e12),
+        dataclasses.replace(cfg, draft=DraftConfig(draft_vocab_size=8192)),
+    ]
+    assert all(_key(c, "t", [[5, 6]], (2,)) != base for c in others)
+    assert _key(cfg, "t", [[5]], (2,)) != base and _key(cfg, "t", [[5, 6]], (2, 3)) != base
