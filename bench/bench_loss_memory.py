@@ -19,7 +19,7 @@ glibc's mmap threshold is pinned low (MALLOC_MMAP_THRESHOLD_) so freed large blo
 and RSS follows live memory rather than allocator caching. torch's CPU allocator does not cache.
 
 Naive materialisation peaks at about 7 x T x V x 4 bytes beyond its inputs (T x V x 4 more): 8.3 GB at T = 2048,
-V = 151,936. Before each naive run the bench checks MemAvailable and stops if it would not fit with 1 GB to spare,
+V = 151,936. Before each naive run the bench checks MemAvailable and stops if it would not fit with 2 GB to spare,
 so that it cannot push a job beside it (a Ray actor, a vLLM engine) into the OOM killer: pass a smaller T then.
 """
 
@@ -77,8 +77,8 @@ def run_variant(
 
 
 def check_memory(tokens: int, vocab: int) -> None:
-    """Stop before a naive run that would not fit in MemAvailable with 1 GB to spare (module docstring)."""
-    need_mb = NAIVE_BYTES_PER_LOGIT * tokens * vocab / 2**20 + 1024
+    """Stop before a naive run that would not fit in MemAvailable with 2 GB to spare (module docstring)."""
+    need_mb = NAIVE_BYTES_PER_LOGIT * tokens * vocab / 2**20 + 2048
     avail_mb = _meminfo_kb("MemAvailable") / 1024
     if avail_mb < need_mb:
         raise SystemExit(
