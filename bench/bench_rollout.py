@@ -5,6 +5,8 @@ layers, which accepts roughly half of its proposals), greedy.
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_rollout.py            # 16 MT-Bench prompts x 64 tokens, K=4
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_rollout.py --reps 4 --orders record-first --no-global-metrics
 
+Writes results/bench/P2.json and results/bench/P3.json (`--out`; format: results/README.md).
+
 P3: two engines with identical settings (target, draft, K, max_model_len, dtype, seed) are alive at once; one
 runs with the anchor-recording scheduler (`record=True`), the other without (`record=False`). After one warm-up
 generation each, the timed repetitions alternate between them (A B, B A, A B, ...) so that load from other jobs on
@@ -38,6 +40,8 @@ import shutil
 import statistics
 import tempfile
 import time
+
+from _results import add_result_args, write_result
 
 
 def _sd(xs: list[float]) -> float:
@@ -91,7 +95,7 @@ def _spec_counters(llm) -> dict[str, float]:
     return out
 
 
-def global_metrics_check(target, draft, prompts, args) -> str:
+def global_metrics_check(target, draft, prompts, args) -> tuple[str, dict]:
     """tau from the anchor records vs vLLM's global spec-decode counters (needs stat logging on)."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -136,17 +140,43 @@ def global_metrics_check(target, draft, prompts, args) -> str:
         t_rec = 1 + accepted / steps
         t_req = 1 + req_acc / req_steps
         t_glob = 1 + g_acc / g_drafts if g_drafts else float("nan")
-        return (
+        line = (
             f"P2-global {t_rec / t_glob:.4f} tau_records {t_rec:.4f} tau_vllm_global {t_glob:.4f} "
             f"tau_vllm_per_request {t_req:.4f} (records: {steps} steps / {accepted} accepted; global counters: "
             f"{g_drafts:.0f} drafts / {g_acc:.0f} accepted; per-request: {req_steps} / {req_acc})"
         )
+        raw = {
+            "records_steps": steps,
+            "records_accepted": accepted,
+            "global_drafts": g_drafts,
+            "global_accepted": g_acc,
+            "per_request_steps": req_steps,
+            "per_request_accepted": req_acc,
+        }
+        return line, raw
     finally:
         import contextlib
 
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
+
+
+def write_p2_p3(args: argparse.Namespace, n_prompts: int, p2: dict, p3: dict) -> None:
+    """results/bench/P2.json and P3.json from the run's measurements (module docstring for what each is)."""
+    setup = {"prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "k": args.k}
+    setup |= {
+        "draft_layers": args.draft_layers,
+        "source": args.source,
+        "reps": args.reps,
+        "orders": args.orders,
+    }
+    value = round(p2["tau_records"] / p2["tau_vllm_per_request"], 4)
+    ok = abs(value - 1) <= 0.01 and p2["inconsistent"] == 0
+    write_result(args, "P2", value=value, target="1.00 +- 0.01", met=ok, raw={**setup, **p2})
+    medians = [statistics.median(r) for r in p3["ratios"].values()]
+    head = round(math.prod(medians) ** (1 / len(medians)), 3)
+    write_result(args, "P3", value=head, target=">= 0.97", met=head >= 0.97, raw={**setup, **p3})
 
 
 def main() -> None:
@@ -165,6 +195,7 @@ def main() -> None:
         help="which engine is created first (both: one phase each, fresh engines)",
     )
     ap.add_argument("--global-metrics", action=argparse.BooleanOptionalAction, default=True)
+    add_result_args(ap)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -276,8 +307,15 @@ def main() -> None:
             f"tau {t:.2f}; vLLM steps per call record {sorted(steps_per_call['record'])} plain "
             f"{sorted(steps_per_call['plain'])} (target >= 0.97)"
         )
+        glob = None
         if args.global_metrics:
-            print(global_metrics_check(target, draft, prompts, args), flush=True)
+            line, glob = global_metrics_check(target, draft, prompts, args)
+            print(line, flush=True)
+        p2 = {"requests": len(all_recs), "steps": steps, "exact": exact, "inconsistent": bad, "global": glob}
+        p2 |= {"tau_records": t, "tau_vllm_per_request": tv}
+        p3 = {"ratios": ratios, "cpu_ratios": cpu_ratios, "tokens_per_s": thr, "tokens_per_cpu_s": cpu}
+        p3 |= {"head_cpu": head_cpu, "steps_per_call": {k: sorted(v) for k, v in steps_per_call.items()}}
+        write_p2_p3(args, len(prompts), p2, p3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"total {time.perf_counter() - t_all:.0f} s")

@@ -3,6 +3,9 @@
     python bench/bench_threads.py                    # 4 sequences, a 6-layer slice of the SmolLM2 target
     python bench/bench_threads.py --sequences 8 --layers 2
 
+Writes results/bench/T-threads.json (`--out`; format: results/README.md): the in-process ratios only; the whole
+loop's step times of the T-threads line come from `python -m draft_opd_ray.main` runs, not from this script.
+
 What `cluster.cpu_threads=auto` changes on a CPU cluster (`opd/actors.py: cpu_share`): the learner runs on every
 core of its node, the replay on those no vLLM engine is bound to. This times the two pieces alone, on the same
 synthetic sequences (600 tokens, an anchor every 1-5 tokens after a 150-token prompt, blocks partly accepted: what
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import add_result_args, write_result
 
 
 def items(n: int, k: int, length: int = 600, prompt: int = 150) -> list:
@@ -48,6 +52,7 @@ def main() -> None:
         "--layers", type=int, default=6, help="the slice: the first ceil(n/2) and last floor(n/2)"
     )
     ap.add_argument("--k", type=int, default=4)
+    add_result_args(ap)
     args = ap.parse_args()
 
     from draft_opd_ray.cache import default_cache_dir
@@ -109,6 +114,23 @@ def main() -> None:
         f"learner {ln / l1:.2f} ({ln:.1f} vs {l1:.1f} s); {len(batch)} sequences, {anchors} anchors, "
         f"{args.layers}-layer standalone slice, float32; teacher identical: {same_teacher}, "
         f"weights identical: {same_weights}"
+    )
+    write_result(
+        args,
+        "T-threads",
+        value={"replay": round(rn / r1, 2), "learner": round(ln / l1, 2)},
+        target=None,  # reported, no bar
+        met=None,
+        raw={
+            "threads": cores,
+            "replay_s": {"1": r1, str(cores): rn},
+            "learner_s": {"1": l1, str(cores): ln},
+            "sequences": len(batch),
+            "anchors": anchors,
+            "layers": args.layers,
+            "teacher_identical": same_teacher,
+            "weights_identical": same_weights,
+        },
     )
 
 

@@ -5,7 +5,9 @@ SmolLM2-135M target, standalone draft (the target's first 29 of 30 layers: ~0.5 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py --transport object_store [--zero-copy-torch]
 
-Transports (draft_opd_ray/weight_sync.py): `shm_file` (default on one node) -- the publisher writes the state
+Writes results/bench/P6.json (`--out`; format: results/README.md).
+
+Transports (draft_opd_ray/opd/weight_sync.py): `shm_file` (default on one node) -- the publisher writes the state
 dict once per version to a shared-memory safetensors file and sends each worker its path; `object_store` -- one
 `ray.put`, then every worker writes its own file for its engine (with --zero-copy-torch: Ray's zero-copy tensor
 pickling).
@@ -48,6 +50,8 @@ import shutil
 import statistics
 import tempfile
 import time
+
+from _results import add_result_args, write_result
 
 from draft_opd_ray.rollout.worker import RolloutWorker
 
@@ -122,6 +126,16 @@ class TimedRolloutWorker(RolloutWorker):
         return out
 
 
+def write_p6(args: argparse.Namespace, raw: dict) -> None:
+    """results/bench/P6.json: the median per-pair publication ratio and (with part 2) the mean stall share."""
+    value = {"publication_over_memcpy": round(statistics.median(raw["ratios"]), 1)}
+    met = None  # both targets or nothing: without part 2 the stall target is not measured
+    if "stall_shares" in raw:
+        value["stall_percent"] = round(100 * statistics.fmean(raw["stall_shares"]), 1)
+        met = value["publication_over_memcpy"] <= 5 and value["stall_percent"] <= 5
+    write_result(args, "P6", value=value, target="publication <= 5x memcpy; stall <= 5%", met=met, raw=raw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
@@ -142,6 +156,7 @@ def main() -> None:
         choices=("shm_file", "object_store"),
         help="shm_file (default on one node): the publisher writes one file per version for all workers",
     )
+    add_result_args(ap)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.zero_copy_torch:
@@ -292,6 +307,10 @@ def main() -> None:
             flush=True,
         )
 
+        raw: dict = {"mb": round(nbytes / 1e6), "workers": args.workers, "transport": args.transport}
+        raw |= {"zero_copy_torch": args.zero_copy_torch, "ratios": ratios, "publications": pubs}
+        raw |= {"clone_s": copies, "copy_into_s": copies2}
+
         # ---------------------------------------------------------------- part 2: stall share
         if args.blocks > 0:
             sampling = Sampling(
@@ -348,6 +367,9 @@ def main() -> None:
                 f"({args.prompts} prompts x {args.max_new_tokens} tokens per worker); target <= 5%",
                 flush=True,
             )
+            raw |= {"stall_shares": shares, "wall_shares": wall_shares, "block_walls_s": walls}
+            raw |= {"rounds": args.rounds, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
+        write_p6(args, raw)
     finally:
         for w in workers:
             try:
