@@ -23,8 +23,8 @@ typecheck: setup
 	$(PY) -m mypy
 
 # Default suite: tests/unit + tests/conformance (our vLLM arguments and hooks against vLLM's GPU-side code, no
-# engine, no GPU) + tests/integration (real vLLM CPU engine, Ray, DeepSpeed); slow end-to-end runs (tests/e2e)
-# excluded.
+# engine, no GPU) + tests/integration (real vLLM CPU engine, Ray, DeepSpeed) + tests/docs (the README's commands);
+# slow end-to-end runs (tests/e2e) excluded.
 test: lint typecheck
 	bash scripts/pytest.sh -m "not slow"
 
