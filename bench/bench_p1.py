@@ -9,7 +9,7 @@
    from metrics.jsonl: the student forward + backward (`flops_draft`) and the target forwards of replay
    (`flops_target`). The rollouts' verification forwards are reported beside (`flops_rollout`), not counted,
    as SFT's trajectory generation is not either.
-2. SFT continued: `python -m draft_opd_ray.main stages=[sft] sft.start_from=<warm start> sft.max_flops=F` on the SFT
+2. SFT continued: `python -m draft_opd_ray.main stages=[sft] sft.study.start_from=<warm start> sft.study.max_flops=F` on the SFT
    trajectories (ShareGPT train prompts, target's greedy answers), same TTT loss as the warm start; every batch
    is charged the target forward of its features (as if computed on the fly), so both arms pay for the target.
 3. τ of the warm start, the SFT arm and the OPD arm through vLLM at K on the same held-out MT-Bench prompts
@@ -101,8 +101,8 @@ def main() -> None:
                 "-m",
                 "draft_opd_ray.main",
                 "stages=[sft]",
-                f"sft.start_from={warm}",
-                f"sft.max_flops={budget}",
+                f"sft.study.start_from={warm}",
+                f"sft.study.max_flops={budget}",
                 f"sft.num_prompts={args.sft_prompts}",
                 "sft.trajectory_dtype=float32",
                 "sft.train_tokens=null",

@@ -392,12 +392,32 @@ class AsyncConfig:
 
 
 @dataclass
+class SFTStudyConfig:
+    """SFT settings only studies set (`bench/study.py`: the matched-FLOPs SFT arm, tau-vs-compute curves); a
+    product run leaves them unset. `sft/trainer.py`'s `Budget` reads them."""
+
+    start_from: str | None = None  # continue from an exported draft (fresh optimizer) instead of a new one
+    max_flops: float | None = None  # stop once training FLOPs (draft + target) reach this
+    time_budget_min: float | None = None  # wall-clock cap on features + training (None: no cap)
+    curve_tokens: list[int] = field(default_factory=list)  # extra draft exports at these trained-token counts
+
+    def __post_init__(self) -> None:
+        _check(all(t > 0 for t in self.curve_tokens), "sft.study.curve_tokens", "values must be > 0")
+        _check(
+            self.time_budget_min is None or self.time_budget_min > 0,
+            "sft.study.time_budget_min",
+            "must be > 0",
+        )
+        _check(self.max_flops is None or self.max_flops > 0, "sft.study.max_flops", "must be > 0")
+
+
+@dataclass
 class SFTConfig:
     """The SFT warm start / baseline recipe (EAGLE-3 TTT, DFlash block loss, standalone distillation).
 
     The budget is counted in trained tokens (``train_tokens``: response tokens whose loss is counted), so the
-    same command trains the same draft on any machine; ``epochs`` and ``max_flops`` can end it earlier and
-    ``time_budget_min`` is only a wall-clock cap (off by default)."""
+    same command trains the same draft on any machine; ``epochs`` can end it earlier, and so can the studies'
+    ``study.max_flops`` and ``study.time_budget_min`` (off by default)."""
 
     # The EAGLE-3 warm start of the default run (other kinds override in their draft group): a short SFT, ~640
     # steps of 512 padded tokens over 768 target answers (generated in bfloat16 where the hardware has it, 1.5x
@@ -417,11 +437,8 @@ class SFTConfig:
     epochs: int = 20  # passes over the answers (a cap: train_tokens usually ends training first)
     batch_tokens: int = 512  # padded tokens per step (smaller batches, more steps: better on a CPU budget)
     lr: float = 1e-3
-    time_budget_min: float | None = None  # wall-clock cap on features + training (None: no cap)
     reuse: bool = True  # reuse a finished warm start with the same settings from the cache
-    curve_tokens: list[int] = field(default_factory=list)  # extra draft exports at these trained-token counts
-    start_from: str | None = None  # continue from an exported draft (fresh optimizer) instead of a new one
-    max_flops: float | None = None  # stop once training FLOPs (draft + target) reach this
+    study: SFTStudyConfig = field(default_factory=SFTStudyConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "sft.num_prompts", "must be >= 1")
@@ -431,14 +448,11 @@ class SFTConfig:
             "sft.trajectory_dtype",
             f"must be auto, float32 or bfloat16, got {self.trajectory_dtype!r}",
         )
-        _check(all(t > 0 for t in self.curve_tokens), "sft.curve_tokens", "values must be > 0")
         _check(self.max_new_tokens >= 1, "sft.max_new_tokens", "must be >= 1")
         _check(self.train_tokens is None or self.train_tokens >= 1, "sft.train_tokens", "must be >= 1")
         _check(self.epochs >= 1, "sft.epochs", "must be >= 1")
         _check(self.batch_tokens >= 16, "sft.batch_tokens", "must be >= 16")
         _check(self.lr > 0, "sft.lr", f"must be > 0, got {self.lr}")
-        _check(self.time_budget_min is None or self.time_budget_min > 0, "sft.time_budget_min", "must be > 0")
-        _check(self.max_flops is None or self.max_flops > 0, "sft.max_flops", "must be > 0")
 
 
 @dataclass

@@ -27,10 +27,10 @@ from draft_opd_ray.sft.ranks import Reservation
 
 def _sft_key(cfg: Config) -> dict[str, Any]:
     """The SFT settings that change the trained draft: all but ``reuse`` and the extra exports
-    (``sft.curve_tokens``); the answers' precision as this hardware resolves ``auto``."""
+    (``sft.study.curve_tokens``); the answers' precision as this hardware resolves ``auto``."""
     d = dataclasses.asdict(cfg.sft)
-    for k in ("reuse", "curve_tokens"):
-        d.pop(k)
+    d.pop("reuse")
+    d["study"].pop("curve_tokens")
     d["trajectory_dtype"] = resolve_dtype(d["trajectory_dtype"])
     return d
 

@@ -1,11 +1,11 @@
 """The SFT loop for any draft kind (its recipe: `sft/recipes.py`) through a DeepSpeed engine.
 
 Reads top to bottom: ``run_sft(job)`` = set up (the recipe's draft, the feature source, the engine, resume) ->
-train (AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first rule of the `Budget`:
-``sft.train_tokens``, ``sft.epochs`` passes, ``sft.max_flops`` training FLOPs, the optional
-``sft.time_budget_min`` wall-clock cap on features + training) -> export checkpoints (at ``sft.curve_tokens`` and
-at the end). The loop carries its engine, state, clock and pending exports in one `Loop`; a checkpoint keeps the
-`TrainState` part of it.
+train (AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first rule of the
+`Budget`: ``sft.train_tokens``, ``sft.epochs`` passes, ``sft.study.max_flops`` training FLOPs, the optional
+``sft.study.time_budget_min`` wall-clock cap on features + training) -> export checkpoints (at
+``sft.study.curve_tokens`` and at the end). The loop carries its engine, state, clock and pending exports in one
+`Loop`; a checkpoint keeps the `TrainState` part of it.
 
 Checkpoints (`draft_opd_ray.checkpoint`): ``<run_dir>/checkpoints/sft/step_<n>/`` holds ``draft/`` (the folder
 vLLM serves), ``deepspeed/`` (engine + optimizer state) and ``training_state.pt`` (step, elapsed time, data
@@ -144,7 +144,7 @@ class DPRank:
 @dataclass(frozen=True)
 class Budget:
     """When SFT stops (the first rule reached ends it) and what it exports on the way. The study-only settings
-    (``sft.max_flops``, ``sft.time_budget_min``, ``sft.curve_tokens``, ``sft.start_from``) are read here only."""
+    (``sft.study``: max_flops, time_budget_min, curve_tokens, start_from) are read here only."""
 
     train_tokens: int | None  # trained (loss) tokens; None: epochs only
     epochs: int  # passes over the answers (a cap)
@@ -158,13 +158,14 @@ class Budget:
 
     @classmethod
     def of(cls, sft: SFTConfig, max_steps: int | None = None) -> Budget:
+        study = sft.study
         return cls(
             train_tokens=sft.train_tokens,
             epochs=sft.epochs,
-            max_flops=sft.max_flops,
-            time_s=math.inf if sft.time_budget_min is None else sft.time_budget_min * 60,
-            curve_tokens=tuple(sft.curve_tokens),
-            start_from=sft.start_from,
+            max_flops=study.max_flops,
+            time_s=math.inf if study.time_budget_min is None else study.time_budget_min * 60,
+            curve_tokens=tuple(study.curve_tokens),
+            start_from=study.start_from,
             max_steps=max_steps,
         )
 
@@ -192,8 +193,8 @@ def schedule_progress(
     max_flops: float | None = None,
 ) -> float:
     """Where the lr schedule is, in [0, 1]: the largest of the step fraction (of ``sft.epochs``), the trained-token
-    fraction of ``sft.train_tokens`` and the FLOPs fraction of ``sft.max_flops``: whichever budget ends training
-    also ends the schedule. Never the wall clock, so a run is the same on any machine."""
+    fraction of ``sft.train_tokens`` and the FLOPs fraction of ``sft.study.max_flops``: whichever budget ends
+    training also ends the schedule. Never the wall clock, so a run is the same on any machine."""
     frac = step / max(1, total_steps)
     if train_tokens:
         frac = max(frac, tokens / train_tokens)
@@ -206,7 +207,7 @@ def progress_measure(
     state: TrainState, budget: Budget, total_steps: int, flops0: float
 ) -> tuple[float, float, str]:
     """The progress bar's (total, done, unit) in the budget that ends training: FLOPs for the matched-FLOPs arm
-    (``sft.max_flops``), else trained tokens, else steps of ``sft.epochs``; so its ETA is the run's."""
+    (``sft.study.max_flops``), else trained tokens, else steps of ``sft.epochs``; so its ETA is the run's."""
     if budget.max_flops is not None:
         return budget.max_flops - flops0, state.flops_draft + state.flops_target - flops0, "FLOP"
     if budget.train_tokens is not None:
@@ -416,11 +417,11 @@ def run_sft(
 
     Uses sft.{train_tokens, epochs, batch_tokens, lr} and the study-only settings read by :class:`Budget`, the
     draft's sizing, optim.{warmup_ratio, schedule, weight_decay, betas, grad_clip}, learner.{zero_stage, dtype,
-    backend}. ``sft.curve_tokens``: extra exports at these trained-token counts (a tau-vs-compute curve); the last
-    one is at the end. The optional wall-clock cap covers feature building and training.
-    ``sft.start_from``: continue from an exported draft (its weights and vocabulary; fresh optimizer) instead of
-    a new one; then the target forward of every batch is charged as if its features were computed on the fly
-    (the matched-FLOPs baseline, P1). ``sft.max_flops``: stop once draft + target FLOPs reach it.
+    backend}. ``sft.study.curve_tokens``: extra exports at these trained-token counts (a tau-vs-compute curve);
+    the last one is at the end. The optional wall-clock cap covers feature building and training.
+    ``sft.study.start_from``: continue from an exported draft (its weights and vocabulary; fresh optimizer)
+    instead of a new one; then the target forward of every batch is charged as if its features were computed on
+    the fly (the matched-FLOPs baseline, P1). ``sft.study.max_flops``: stop once draft + target FLOPs reach it.
 
     ``place``: this process's place in the data-parallel group (module docstring); only rank 0 emits metrics and
     shows progress. The ranks share the feature pass, each on its own device, and each reads the cached rows of
@@ -563,7 +564,7 @@ def _step(
 
 
 def _train(loop: Loop, budget: Budget, job: SFTJob, progress: bool) -> Path:
-    """The steps from ``loop.state`` on until a budget ends; checkpoints at ``sft.curve_tokens`` and at the end."""
+    """The steps from ``loop.state`` on until a budget ends; checkpoints at the curve marks and at the end."""
     state, sft = loop.state, job.sft
     loop.start_used, loop.wall0 = state.budget_s_used, time.monotonic()
     loop.pending = sorted(t for t in budget.curve_tokens if t > state.tokens)

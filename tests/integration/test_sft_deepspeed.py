@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig
+from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, SFTStudyConfig
 from draft_opd_ray.models.eagle3 import load_eagle3
 from draft_opd_ray.sft.trainer import SFTJob, run_sft
 
@@ -24,7 +24,9 @@ def _run(
 ) -> tuple[Path, list[dict]]:
     rec: list[dict] = []
     job = SFTJob(
-        sft=SFTConfig(epochs=50, train_tokens=None, batch_tokens=4096, lr=3e-3, time_budget_min=5),
+        sft=SFTConfig(
+            epochs=50, train_tokens=None, batch_tokens=4096, lr=3e-3, study=SFTStudyConfig(time_budget_min=5)
+        ),
         draft=draft,
         optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
         learner=LearnerConfig(zero_stage=0, dtype="float32"),

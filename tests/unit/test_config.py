@@ -36,7 +36,7 @@ def test_defaults_compose_to_the_paper_defaults() -> None:
     assert cfg.draft.vocab_for(49152) == 8192 and cfg.draft.vocab_for(4096) == 4096
     assert cfg.data.train.max_prompts == 2560 and cfg.sft.num_prompts == 768
     assert cfg.sft.trajectory_dtype == "auto" and cfg.sft.batch_tokens == 512  # auto: bfloat16 where fast
-    assert cfg.sft.train_tokens == 160_000 and cfg.sft.time_budget_min is None  # tokens; minutes a cap
+    assert cfg.sft.train_tokens == 160_000 and cfg.sft.study.time_budget_min is None  # tokens; minutes a cap
 
 
 def test_defaults_are_written_once() -> None:

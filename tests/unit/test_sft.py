@@ -242,20 +242,16 @@ def test_an_epoch_cap_before_the_token_budget_is_named() -> None:
 def test_progress_bar_counts_the_budget_that_ends_training() -> None:
     """The matched-FLOPs arm's bar counts FLOPs (its ETA was the 1,000-epoch guard's, "51 h", for a 3-minute run);
     a token budget counts tokens; epochs alone count steps."""
-    from draft_opd_ray.config.schema import SFTConfig
     from draft_opd_ray.sft.trainer import Budget, TrainState, progress_measure
 
-    def budget(**kw: Any) -> Budget:
-        return Budget.of(SFTConfig(**kw))
-
     state = TrainState(step=10, tokens=4000, flops_draft=2e12, flops_target=5e12)
-    assert progress_measure(state, budget(train_tokens=None, max_flops=1e13), 640_000, 0.0) == (
+    assert progress_measure(state, Budget(None, 20, max_flops=1e13), 640_000, 0.0) == (
         1e13,
         7e12,
         "FLOP",
     )
-    assert progress_measure(state, budget(train_tokens=8000), 640_000, 1e12) == (8000, 4000, "tok")
-    assert progress_measure(state, budget(train_tokens=None), 640, 0.0) == (640, 10, "step")
+    assert progress_measure(state, Budget(8000, 20), 640_000, 1e12) == (8000, 4000, "tok")
+    assert progress_measure(state, Budget(None, 20), 640, 0.0) == (640, 10, "step")
 
 
 def test_lr_schedule() -> None:
@@ -359,7 +355,7 @@ def test_warm_start_key_names_what_changes_the_draft() -> None:
     budget, the draft vocabulary as written, the prompts, the stop ids) and not with reuse or the extra exports."""
     import dataclasses
 
-    from draft_opd_ray.config.schema import Config, DraftConfig
+    from draft_opd_ray.config.schema import Config, DraftConfig, SFTStudyConfig
     from draft_opd_ray.sft.stage import _key
 
     cfg = Config()
@@ -368,10 +364,10 @@ def test_warm_start_key_names_what_changes_the_draft() -> None:
         return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, **kw))
 
     base = _key(cfg, "t", [[5, 6]], (2,))
-    assert _key(sft(reuse=False, curve_tokens=[100]), "t", [[5, 6]], (2,)) == base
+    assert _key(sft(reuse=False, study=SFTStudyConfig(curve_tokens=[100])), "t", [[5, 6]], (2,)) == base
     others = [
         sft(lr=2e-3),
-        sft(max_flops=1e12),
+        sft(study=SFTStudyConfig(max_flops=1e12)),
         dataclasses.replace(cfg, draft=DraftConfig(draft_vocab_size=8192)),
     ]
     assert all(_key(c, "t", [[5, 6]], (2,)) != base for c in others)
