@@ -10,7 +10,7 @@
 
 1. plateau: `python -m draft_opd_ray.main stages=[sft]` on the first 768 ShareGPT train prompts' target answers
    (float32, cached by content: on a new machine the same command rebuilds them deterministically), for a budget
-   of trained tokens with exports at every doubling (`sft.curve_tokens`). Each export's tau on the validation
+   of trained tokens with exports at every doubling (`sft.study.curve_tokens`). Each export's tau on the validation
    split (ShareGPT's held-out hash split: prompts no stage trains on) gives the curve; the rule, fixed before
    running: the curve has plateaued once the last doubling of training compute gained less than +0.02 tau. The
    last export is the branch point (cached in the run dir: the arms can be re-run later). Where runs/ was lost but
@@ -18,7 +18,7 @@
    as `main` does, and copies it into the run dir as the branch point; the curve's exports are then not there.
 2. arms, all from the branch point, at matched training FLOPs where the arm is SFT:
    opd           Draft-OPD with the defaults (`stages=[opd]`, rollouts on the train prompts after the 768)
-   sft           SFT continued on the same answers (`sft.start_from`), `sft.max_flops` = the OPD run's training
+   sft           SFT continued on the same answers (`sft.study.start_from`), `sft.study.max_flops` = the OPD run's training
                  FLOPs (student + replay target forwards; SFT is charged its target forward per batch), peak lr
                  = optim.lr (the OPD peak), the same warm-up + cosine shape
    sft_rollouts  `algorithm=sft_on_rollouts`: CE on the committed tokens of the same rollouts, no replay (C5)
@@ -189,7 +189,7 @@ def plateau(args: argparse.Namespace) -> None:
             "stages=[sft]",
             f"draft={args.kind}",
             f"sft.train_tokens={budget}",
-            f"sft.curve_tokens=[{','.join(map(str, marks))}]",
+            f"sft.study.curve_tokens=[{','.join(map(str, marks))}]",
             *args.set,
         ]
         run_or_resume(run, overrides, run / "sft.log")
@@ -376,8 +376,8 @@ def arms(args: argparse.Namespace) -> None:
                 if final_draft(opd) is None:
                     raise SystemExit(f"the sft arm matches the FLOPs of {opd}: run the opd arm first")
                 extra += [
-                    f"sft.start_from={branch}",
-                    f"sft.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
+                    f"sft.study.start_from={branch}",
+                    f"sft.study.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
                     "sft.train_tokens=null",
                     "sft.epochs=1000",
                     "sft.reuse=false",
@@ -475,8 +475,8 @@ def controls(args: argparse.Namespace) -> None:
                 raise SystemExit(f"the {arm} arm trains at the FLOPs of {opd}: run the opd arm first")
             if arm == "sft":
                 extra += [
-                    f"sft.start_from={branch}",
-                    f"sft.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
+                    f"sft.study.start_from={branch}",
+                    f"sft.study.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
                     "sft.train_tokens=null",
                     "sft.epochs=1000",
                     "sft.reuse=false",

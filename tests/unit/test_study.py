@@ -67,7 +67,7 @@ def test_plateau_overrides_reach_every_arm(
     )
     (plateau_cmd,) = calls
     assert "draft=standalone" in plateau_cmd and "draft.num_layers=6" in plateau_cmd
-    assert "sft.curve_tokens=[2000]" in plateau_cmd and "sft.train_tokens=4000" in plateau_cmd
+    assert "sft.study.curve_tokens=[2000]" in plateau_cmd and "sft.train_tokens=4000" in plateau_cmd
     info = json.loads(Path("runs/study/s6/plateau/plateau.json").read_text())
     assert info["overrides"] == ["draft.num_layers=6"]
     # the fake run stopped at 2,000 of 4,000 tokens (as sft.epochs can end one): the plateau says so
@@ -212,7 +212,7 @@ def test_a_run_stopped_midway_is_resumed_not_taken_as_done(
     resumed, sft = calls[1:]
     assert resumed[-1] == f"resume={opd}" and len(resumed) == 4  # python -m draft_opd_ray.main resume=...
     assert (opd / "arm").read_text() == "opd\n" and str(mod.final_draft(opd)).endswith("opd/step_2/draft")
-    assert "stages=[sft]" in sft and "sft.max_flops=1000000000000.0" in sft
+    assert "stages=[sft]" in sft and "sft.study.max_flops=1000000000000.0" in sft
     run(mod, monkeypatch, "arms", "--name", "s", "--arms", "opd,sft", "--steps", "2")
     assert len(calls) == 3  # both finished: nothing re-run
 
