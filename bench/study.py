@@ -425,7 +425,8 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
 
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.flops import target_forward_flops
-    from draft_opd_ray.models.target import ensure_embedded_target, read_target_info
+    from draft_opd_ray.models.embedded import ensure_embedded_target
+    from draft_opd_ray.models.target import read_target_info
     from draft_opd_ray.opd.batch import TeacherItem
     from draft_opd_ray.opd.loop import committed_items
     from draft_opd_ray.opd.students import make_student
@@ -502,7 +503,7 @@ def controls(args: argparse.Namespace) -> None:
 def evaluate_arms(args: argparse.Namespace) -> None:
     """Measure the branch point and the arms matching ``--only`` (every checkpoint of each: its tau-vs-FLOPs
     curve), write each measured arm's report and curve, then compare every arm that has a report."""
-    from draft_opd_ray.models.target import ensure_embedded_target
+    from draft_opd_ray.models.embedded import ensure_embedded_target
 
     branch = branch_point(args)
     arms_dir = study(args) / "arms"
