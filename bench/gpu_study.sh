@@ -27,7 +27,7 @@ for a in "$@"; do
   case "$a" in
     --plan|--dry-run) mode="$a" ;;
     --commit) extra+=("$a") ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_study: unknown argument $a (--plan, --dry-run, --commit)" >&2; exit 2 ;;
   esac
 done
