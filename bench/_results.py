@@ -28,6 +28,19 @@ OUT_DEFAULT = "results/bench/{id}.json"
 REQUIRED = ("id", "value", "target", "met", "raw", "command", "commit", "machine", "date")
 
 
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return out.stdout.rstrip()  # not strip(): `git status --porcelain` lines start with a space
+
+
+# the code the bench runs is the code at its start: others may commit while a long bench runs
+START_COMMIT = _git("rev-parse", "--short", "HEAD").strip()
+START_STATUS = _git("status", "--porcelain", "--untracked-files=no", "--", "draft_opd_ray", "bench")
+
+
 def add_result_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--out",
@@ -54,14 +67,6 @@ def typed_command(argv: list[str] | None = None) -> str:
     if script.is_absolute() and script.is_relative_to(ROOT):
         argv[0] = str(script.relative_to(ROOT))
     return "python " + shlex.join(argv)
-
-
-def _git(*args: str) -> str:
-    try:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return out.stdout.rstrip()  # not strip(): `git status --porcelain` lines start with a space
 
 
 def machine() -> dict[str, Any]:
@@ -103,7 +108,6 @@ def write_result(
     path = Path(args.out.replace("{id}", bench_id))
     if not path.is_absolute():
         path = ROOT / path
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", "draft_opd_ray", "bench")
     record = {
         "id": bench_id,
         "value": value,
@@ -111,8 +115,8 @@ def write_result(
         "met": met,
         "raw": raw,
         "command": typed_command(),
-        "commit": _git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": [ln[3:] for ln in status.splitlines()],  # tracked files changed since `commit`
+        "commit": START_COMMIT,
+        "uncommitted": [ln[3:] for ln in START_STATUS.splitlines()],  # tracked files changed since `commit`
         "machine": machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "notes": args.notes,
