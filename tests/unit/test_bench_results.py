@@ -157,13 +157,14 @@ def test_bench_scripts_import_names_that_exist(script: str) -> None:
     """Read, not imported (the scripts import vLLM and Ray): every `from draft_opd_ray.x import y` names a module
     file that defines y (or a subpackage)."""
     for node in ast.walk(ast.parse((BENCH / script).read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("draft_opd_ray"):
-            base = ROOT / Path(*node.module.split("."))
+        name = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if isinstance(node, ast.ImportFrom) and name.startswith("draft_opd_ray"):
+            base = ROOT / Path(*name.split("."))
             module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-            assert module.is_file(), f"{script}: no module {node.module}"
+            assert module.is_file(), f"{script}: no module {name}"
             names = _defined(module)
             for alias in node.names:
                 sub = base / alias.name
                 assert alias.name in names or sub.with_suffix(".py").is_file() or sub.is_dir(), (
-                    f"{script}: {node.module} has no {alias.name}"
+                    f"{script}: {name} has no {alias.name}"
                 )
