@@ -124,12 +124,18 @@ COMMANDS: dict[str, Row] = {
     # --- commands quoted in the text ---
     "scripts/setup.sh": skip("installs packages; every make target (`make test` too) has run it first"),
     "scripts/setup.sh gpu": skip("the set-up of a CUDA image (stock vLLM)"),
-    "python bench/study.py plateau": Row(
-        run="{LINE} --help", why="hours of SFT: its options", where="repo", shows=("usage: study.py plateau",)
+    "python -m draft_opd_ray.compare results/default_controls": Row(
+        run="{LINE} --out {WORK}/compare",
+        why="on the committed raw results, as a fresh clone would; written to a folder of its own, not the repo's",
+        where="repo",
+        shows=("Primary endpoint", "opd − sft", "80 prompts"),
     ),
-    "python -m draft_opd_ray.compare runs/study/eagle3/arms/*": Row(
-        why="on four arm run dirs (two arms x seeds 0, 1) made here with eval reports",
-        shows=("baseline arm: default", "algorithm=sft_on_rollouts", "(3 prompts × 2 seeds)"),
+    "bash bench/gpu_study.sh --dry-run": Row(
+        run="bash bench/gpu_study.sh --plan",
+        why="the 58 jobs' dry runs take minutes (tests/unit/test_gpu_study_dry_run.py, slow, runs them all): "
+        "the plan they are made from",
+        where="repo",
+        shows=("58 jobs", "primary endpoint"),
     ),
     "KIND=standalone bash bench/plateau_study.sh": skip(
         "a kind's whole study: hours (`bench/study.py` runs it)"

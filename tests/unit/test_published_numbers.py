@@ -1,0 +1,54 @@
+"""The published numbers are the committed files' numbers: each interval quoted in docs/results.md and the README is
+recomputed here from `results/default_controls` (the raw per-prompt counts) by the same code `python -m
+draft_opd_ray.compare` prints them with, and must appear in the documents as recomputed. When a new seed lands, the
+files change and this test says which sentences to update."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draft_opd_ray.compare_results import study_number
+
+REPO = Path(__file__).resolve().parents[2]
+STUDY = REPO / "results" / "default_controls"
+RESULTS_MD = (REPO / "docs" / "results.md").read_text()
+README = (REPO / "README.md").read_text()
+
+# (set, name as compare prints it, the documents that quote it)
+QUOTED = [
+    ("validation", "opd − sft", (RESULTS_MD, README)),  # the primary endpoint
+    ("mtbench", "opd − sft", (RESULTS_MD, README)),
+    ("validation", "opd − branch", (RESULTS_MD, README)),
+    ("mtbench", "opd − branch", (RESULTS_MD, README)),
+    ("validation", "sft − branch", (RESULTS_MD,)),
+    ("mtbench", "sft − branch", (RESULTS_MD,)),
+    ("validation", "P1", (RESULTS_MD,)),
+    ("validation", "opd", (RESULTS_MD,)),
+    ("validation", "sft", (RESULTS_MD,)),
+    ("validation", "branch", (RESULTS_MD,)),
+    ("mtbench", "opd", (RESULTS_MD,)),
+    ("mtbench", "sft", (RESULTS_MD,)),
+    ("mtbench", "branch", (RESULTS_MD,)),
+]
+
+
+@pytest.mark.parametrize(("dataset", "name", "docs"), QUOTED, ids=[f"{d}: {n}" for d, n, _ in QUOTED])
+def test_each_quoted_interval_is_recomputed_from_the_raw_files(
+    dataset: str, name: str, docs: tuple[str, ...]
+) -> None:
+    number = study_number(str(STUDY), dataset, name)
+    for doc in docs:
+        assert number in doc, f"{dataset} {name}: the files give {number}, which the document does not quote"
+
+
+def test_the_regime_and_p7_quoted_are_the_files():
+    regime = json.loads((STUDY / "regime_opd_s0.json").read_text())
+    share = f"{100 * regime['share_with_rejection']:.1f}%"
+    assert share in RESULTS_MD and share in README
+    assert f"{regime['mean_accepted']:.2f}" in RESULTS_MD
+    p7 = json.loads((REPO / "results" / "bench" / "P7.json").read_text())
+    quoted = " / ".join(f"{p7['value'][c]:.2f}x" for c in ("1", "4", "16"))
+    assert quoted in README
