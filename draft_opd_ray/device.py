@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 @functools.cache
 def fast_bfloat16() -> bool:
     """Whether bfloat16 matmuls run natively here: a CUDA GPU, or a CPU with AVX512-BF16 or AMX. On a CPU
-    without them (AVX2 only) vLLM's bfloat16 decoding is several times slower than float32 (docs/LOG.md)."""
+    without them (AVX2 only) vLLM's bfloat16 decoding is several times slower than float32."""
     import torch
 
     if torch.cuda.is_available():

@@ -33,7 +33,7 @@ class ClusterConfig:
     name: str = "local"
     ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     num_nodes: int = 1
-    gpus_per_node: int = 0  # 0 = CPU-only cluster (this machine)
+    gpus_per_node: int = 0  # 0 = CPU-only cluster
     cpus_per_node: float = 2.0
     rollout_engines: int = 2
     rollout_tensor_parallel: int = 1  # GPUs per vLLM engine (must fit in one node)
@@ -121,7 +121,7 @@ class DraftConfig:
     # eagle3
     aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-1)
     # the most frequent response tokens; None = DEFAULT_DRAFT_VOCAB, or the target's whole vocabulary when that
-    # is smaller (SmolLM2's greedy answers use ~7k distinct ids: docs/LOG.md)
+    # is smaller (docs/design.md, "Why the defaults")
     draft_vocab_size: int | None = None
     ttt_steps: int = 4  # training-time-test unroll depth (= K)
     ttt_decay: float = 0.8
@@ -360,8 +360,7 @@ class LearnerConfig:
     zero_stage: int = 0
     # optimizer updates per Draft-OPD step (the step's sequences split in groups of about equal anchor counts).
     # 32 = one rollout per update on the default plan (2 workers x 16 prompts): about the tokens per update of the
-    # SFT warm start's 512-token batches. The replay's cost is paid once per step whatever this is; 8 updates a
-    # step left the default run's gain inside its noise (docs/results.md)
+    # SFT warm start's 512-token batches; the replay's cost is paid once per step whatever this is
     mini_batches: int = 32
     # passes over each step's batch (verl's ppo_epochs): epochs x mini_batches updates a step. Controls without the
     # replay forward use it to train at the FLOPs of the Draft-OPD arm they are compared with
@@ -422,9 +421,7 @@ class SFTConfig:
     # The EAGLE-3 warm start of the default run (other kinds override in their draft group): a short SFT, ~640
     # steps of 512 padded tokens over 768 target answers (generated in bfloat16 where the hardware has it, 1.5x
     # faster on a CPU with AVX512-BF16; they are only contexts, the soft labels come from the teacher-forced
-    # forward). The default run shows the on-policy loop raising tau over this warm start on held-out prompts
-    # (SFT continued for the same FLOPs raises it more; from 1.28M tokens the two tie within noise: docs/results.md).
-    # Users with a GPU train longer: sft.train_tokens=1250000.
+    # forward). Users with a GPU train longer: sft.train_tokens=1250000 (docs/design.md, "Why the defaults").
     num_prompts: int = 768  # target answers generated with vLLM (cached)
     max_new_tokens: int = 256
     trajectory_dtype: str = (
@@ -459,8 +456,7 @@ class SFTConfig:
 class OPDConfig:
     """The Draft-OPD loop (rollout → anchors → replay → learner → broadcast)."""
 
-    # 15 steps of 32 rollouts (2 workers x 16 prompts) on the default plan: the ~480 rollouts of the measured
-    # default run (docs/results.md)
+    # 15 steps of 32 rollouts (2 workers x 16 prompts) on the default plan: ~480 rollouts
     steps: int = 15
     # rollout rounds (rollout.prompts_per_round prompts each) a step trains on, in the order they were handed
     # out, so a step's batch does not depend on which worker finished first; None = one per rollout worker

@@ -6,7 +6,7 @@ Every method's τ comes with its number of requests `n`, a 95% bootstrap CI over
 per-request counts (`per_prompt`, in prompt order) it was computed from. The draft's `paired` entry holds
 paired differences on the same prompts (`eval/stats.py`): after − before, and draft − each baseline.
 
-One vLLM engine at a time (this machine has 2 cores): draft, each baseline, then the plain target.
+One vLLM engine at a time (a small CPU box runs one well): draft, each baseline, then the plain target.
 """
 
 from __future__ import annotations

@@ -443,9 +443,8 @@ def eagle3_ttt_loss(
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     """(2, L/2, L-1): low, middle and the input of the last layer; evenly spread ids for targets too shallow
-    for it. vLLM and SpecForge default to L-3 for the high feature; on SmolLM2-135M the head trained to half the
-    acceptance with it in the same time, because the last layers carry most of the next-token prediction of a
-    small model (docs/LOG.md, "EAGLE-3 SFT, second run")."""
+    for it. vLLM and SpecForge default to L-3 for the high feature; L-1 here because the last layers carry most
+    of a small model's next-token prediction (docs/design.md, "Why the defaults")."""
     ids = (2, num_layers // 2, num_layers - 1)
     if ids[0] < ids[1] < ids[2]:
         return ids

@@ -112,7 +112,7 @@ def ensure_embedded_target(cache_dir: Path | None = None) -> Path:
     """Return the folder of the embedded SmolLM2-135M-Instruct target, converting it on first use.
 
     The folder is ``<cache_dir>/smollm2-135m-instruct`` (``cache_dir`` defaults to
-    :func:`default_cache_dir`). The conversion (about 20 s on 2 cores) dequantizes the GGUF file to
+    :func:`default_cache_dir`). The conversion (seconds) dequantizes the GGUF file to
     float32, writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
     tokenizer files (chat template included) into a temporary folder beside the final one, writes a
     completion marker last and moves the folder into place with ``os.replace``. A file lock keeps

@@ -330,8 +330,8 @@ def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, i
     (`cluster.cpu_threads`, `device.node_threads`); None: one thread (`one`) or not a CPU cluster.
 
     The replay runs while the engines generate the next rounds, so it keeps off the cores they are bound to
-    (one each); the learner runs once they are mostly done (docs/LOG.md: on 2 cores the next round is ready long
-    before the replay ends) and takes every core. The actors of a role on one node work at once and split them."""
+    (one each); the learner runs once they are mostly done (the next round is ready long before the replay
+    ends) and takes every core. The actors of a role on one node work at once and split them."""
     if cfg.cluster.gpus_per_node > 0 or cfg.cluster.cpu_threads == "one":
         return None
     sharers = sum(s.node == slot.node for s in plan.of(slot.role))

@@ -54,7 +54,7 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> int:
 
     Same bytes as `safetensors.torch.save_file` reads back, but written with `pwrite` straight from each tensor's
     memory: no intermediate serialised copy, and on tmpfs an existing file of the same size needs no new pages
-    (a third of `save_file`'s time into a new file, docs/LOG.md). Returns the file size. Not atomic: callers
+    (docs/benchmarks.md, P6). Returns the file size. Not atomic: callers
     overwrite only files nobody is reading.
     """
     header: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def async_by_default() -> bool:
 
 
 def all_cores() -> str:
-    """The cores this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND`` list ("0-1" on this box)."""
+    """The cores this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND`` list (e.g. "0-1")."""
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 

@@ -116,8 +116,8 @@ def generate_trajectories(
     a GPU), and its greedy text is the target's own up to rounding (it drifts from the float32 text after some
     tokens). The trajectories are only the contexts: the soft labels come from the target's teacher-forced
     forward. The engine runs alone, so on CPU it binds every core (vLLM's default is one), and it decodes
-    ``chunk`` requests at once with the KV cache to hold them (vLLM's CPU default caps a batch at 256 sequences);
-    the measurements behind both are in docs/LOG.md."""
+    ``chunk`` requests at once with the KV cache to hold them (vLLM's CPU default caps a batch at 256 sequences;
+    docs/design.md, "Why the defaults")."""
     target = Path(target)
     key = cache_key(target, prompts, max_new_tokens, stop_token_ids, dtype)
     folder = Path(cache_dir) / "sft_trajectories" / key

@@ -14,7 +14,7 @@ flat (concatenated, ``offsets`` marks the boundaries), at most ``shard_bytes`` e
 holds more than one shard in memory; data-parallel ranks each compute every ``world``-th shard on their own
 device, then every rank reads the rows it trains on from the shards' memory maps (nothing is loaded whole).
 :class:`OnTheFlyFeatures` computes the same tensors per batch instead (for data sets too large to cache). A target forward is several times faster per token than a TTT update, so
-caching costs less than one epoch of recomputation and wins from the second epoch on (docs/LOG.md).
+caching costs less than one epoch of recomputation and wins from the second epoch on.
 """
 
 from __future__ import annotations

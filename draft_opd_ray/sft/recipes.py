@@ -261,9 +261,8 @@ def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: Recip
 
 def standalone_layer_ids(num_layers: int, target_layers: int) -> tuple[int, ...]:
     """The target layers a standalone draft starts from: the first ceil(n/2) and the last floor(n/2), i.e. the
-    middle of the stack is dropped (layer skipping). On SmolLM2-135M the ends carry the prediction: before any
-    training, top-1 agreement with the target on its own answers is 0.25 for layers 0-9 + 20-29, 0.005 for
-    the first 19 + the last, 0.09 for 0-7 + 22-29 (docs/LOG.md)."""
+    middle of the stack is dropped (layer skipping): the ends carry the prediction (docs/design.md, "Why the
+    defaults")."""
     if not 1 <= num_layers < target_layers:
         raise ValueError(f"a standalone draft needs 1..{target_layers - 1} layers, got {num_layers}")
     head = (num_layers + 1) // 2
