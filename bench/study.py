@@ -418,9 +418,10 @@ def default_branch(args: argparse.Namespace) -> Path:
 
 def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, float]:
     """(learner.epochs, FLOPs of one pass, the opd arm's FLOPs) for a control without replay at the Draft-OPD
-    arm's training FLOPs. A pass of a control costs the student over every response position of the step's rollouts
-    plus one target forward over each (its features, or its teacher); greedy rollouts commit the target's own
-    tokens whatever the draft, so the opd arm's rollouts of the same seed's prompts are the control's."""
+    arm's training FLOPs. A control pays one target forward over each rollout a step (its features, or its
+    teacher: the replay runs once whatever the epochs), then the student over every response position once per
+    pass; greedy rollouts commit the target's own tokens whatever the draft, so the opd arm's rollouts of the same
+    seed's prompts are the control's. Epochs = (opd FLOPs - the target forwards) / one pass, rounded."""
     import torch
 
     from draft_opd_ray.config.schema import Config
@@ -436,7 +437,7 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
     k = Config().draft.num_speculative_tokens
     student, info = make_student(kind, str(branch), target), read_target_info(target)
     records = [r for f in sorted((opd_run / "anchors").glob("*.parquet")) for r in read_parquet(f)]
-    per_pass = 0.0
+    per_pass = once = 0.0
     for it in committed_items(records, k):
         n = len(it.anchor_pos)
         valid = torch.tensor([len(b) for b in it.drafted])
@@ -452,9 +453,15 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
             None,
             0,
         )
-        per_pass += student.flops(item) + target_forward_flops(info, 1, len(ids))
+        per_pass += student.flops(item)
+        once += target_forward_flops(info, 1, len(ids))
     opd = training_flops(final_draft(opd_run))  # type: ignore[arg-type]
-    return max(1, round(opd / per_pass)), per_pass, opd
+    return control_pass_count(opd, once, per_pass), per_pass, opd
+
+
+def control_pass_count(opd_flops: float, target_once: float, student_pass: float) -> int:
+    """The passes that bring ``target_once + passes * student_pass`` closest to ``opd_flops`` (at least one)."""
+    return max(1, round((opd_flops - target_once) / student_pass))
 
 
 def controls(args: argparse.Namespace) -> None:
@@ -488,7 +495,7 @@ def controls(args: argparse.Namespace) -> None:
             if arm.startswith("sft_rollouts"):
                 epochs, per_pass, target_flops = control_epochs(opd, branch, args.kind)
                 print(
-                    f"[controls] {arm} seed {seed}: {per_pass:.3g} FLOPs a pass over the opd arm's rollouts, "
+                    f"[controls] {arm} seed {seed}: {per_pass:.3g} student FLOPs a pass over the opd arm's rollouts, "
                     f"{target_flops:.3g} to match: learner.epochs={epochs}",
                     flush=True,
                 )

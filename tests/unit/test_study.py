@@ -322,3 +322,17 @@ def test_plateau_from_the_cached_warm_start_when_the_run_dir_is_gone(
     monkeypatch.setattr(mod, "sh", lambda args, log: calls.append(args))  # neither checkpoints nor a note
     with pytest.raises(SystemExit, match="left no checkpoints/sft and reused no warm start"):
         run(mod, monkeypatch, "plateau", "--name", "d", "--tokens", "4000", "--doublings", "1")
+
+
+def test_a_controls_passes_repeat_the_students_work_not_the_target_forward(
+    study: tuple[ModuleType, list[list[str]]],
+) -> None:
+    """The replay's target forward runs once a step whatever `learner.epochs` is: the seed-0 default run's numbers
+    (opd 1.27e14; a control's target forwards 4.39e13 and student 2.06e13 a pass) need 4 passes, not the 2 that
+    counting the target forward in every pass gives."""
+    mod, _ = study
+    assert mod.control_pass_count(1.27e14, 4.39e13, 2.06e13) == 4
+    assert mod.control_pass_count(1.0e13, 4.39e13, 2.06e13) == 1  # never fewer than one pass
+    flops = [4.39e13 + e * 2.06e13 for e in range(1, 8)]
+    best = min(range(1, 8), key=lambda e: abs(flops[e - 1] - 1.27e14))
+    assert mod.control_pass_count(1.27e14, 4.39e13, 2.06e13) == best
