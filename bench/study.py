@@ -359,6 +359,21 @@ def final_draft(run: Path) -> Path | None:
     return None
 
 
+def sft_continuation(branch: Path, opd_run: Path) -> list[str]:
+    """The `sft` arm's overrides: SFT continued from ``branch`` on the same answers until the training FLOPs of the
+    finished ``opd_run``, at the OPD peak lr (`optim.lr`): the same schedule shape from the same point."""
+    from draft_opd_ray.config.schema import Config
+
+    return [
+        f"sft.study.start_from={branch}",
+        f"sft.study.max_flops={training_flops(final_draft(opd_run))}",  # type: ignore[arg-type]
+        "sft.train_tokens=null",
+        "sft.epochs=1000",
+        "sft.reuse=false",
+        f"sft.lr={Config().optim.lr}",
+    ]
+
+
 def arms(args: argparse.Namespace) -> None:
     info = _plateau_info(study(args))
     branch = Path(info["branch"])
@@ -375,14 +390,7 @@ def arms(args: argparse.Namespace) -> None:
                 opd = arm_dir(args, "opd", seed)
                 if final_draft(opd) is None:
                     raise SystemExit(f"the sft arm matches the FLOPs of {opd}: run the opd arm first")
-                extra += [
-                    f"sft.study.start_from={branch}",
-                    f"sft.study.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
-                    "sft.train_tokens=null",
-                    "sft.epochs=1000",
-                    "sft.reuse=false",
-                    "sft.lr=1e-4",  # the OPD peak (optim.lr): the same schedule from the same point
-                ]
+                extra += sft_continuation(branch, opd)
             else:
                 # a checkpoint every 5 steps: a session that stops mid-arm loses at most 5 steps (~15 min) of it
                 extra += [f"draft.path={branch}", "opd.checkpoint_every=5"]
@@ -468,8 +476,6 @@ def controls(args: argparse.Namespace) -> None:
     """The default run's claim as a controlled comparison: from the default warm start, Draft-OPD with the defaults
     and three controls at its training FLOPs (SFT continued on the warm start's answers; hard and soft labels on
     the committed tokens of the same kind of rollouts, no replay), each for ``--seeds``."""
-    from draft_opd_ray.config.schema import Config
-
     branch = default_branch(args)
     for seed in [int(x) for x in args.seeds.split(",")]:
         for arm in args.arms.split(","):
@@ -482,14 +488,7 @@ def controls(args: argparse.Namespace) -> None:
             if arm != "opd" and final_draft(opd) is None:
                 raise SystemExit(f"the {arm} arm trains at the FLOPs of {opd}: run the opd arm first")
             if arm == "sft":
-                extra += [
-                    f"sft.study.start_from={branch}",
-                    f"sft.study.max_flops={training_flops(final_draft(opd))}",  # type: ignore[arg-type]
-                    "sft.train_tokens=null",
-                    "sft.epochs=1000",
-                    "sft.reuse=false",
-                    f"sft.lr={Config().optim.lr}",  # the OPD peak: the same schedule from the same point
-                ]
+                extra += sft_continuation(branch, opd)
             else:
                 extra += [f"draft.path={branch}", "opd.checkpoint_every=5"]
             if arm.startswith("sft_rollouts"):
