@@ -61,7 +61,6 @@ def main() -> None:
     from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.models.target import read_target_info
-    from draft_opd_ray.opd.actors import loss_spec
     from draft_opd_ray.opd.learner import Learner
     from draft_opd_ray.opd.replay import ReplayActor
 
@@ -87,7 +86,7 @@ def main() -> None:
             str(draft),
             str(target),
             kind="standalone",
-            spec=loss_spec(cfg.loss),
+            spec=cfg.loss,
             lr=o.lr,
             betas=o.betas,
             weight_decay=o.weight_decay,

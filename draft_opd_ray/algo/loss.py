@@ -1,4 +1,5 @@
-"""The acceptance-aware Draft-OPD objective (docs/design.md, "Objective") and its estimators. Imports only torch.
+"""The acceptance-aware Draft-OPD objective (docs/design.md, "Objective") and its estimators. Imports only torch
+and its settings, `LossConfig` (config/schema.py, the bottom floor: fields `loss.*`, defaults and checks there).
 
 An anchor's drafted block has K' <= K valid positions k = 1..K' (k is the absolute offset in the block) and
 acceptance a (the first a drafted tokens were accepted):
@@ -18,7 +19,7 @@ included (positions outside A and R carry weight 0):
     valid = arange(K) < valid_len[:, None]     # (N, K)
     x_flat = x[valid]                          # (T, ...), T = valid_len.sum()
 
-Estimators (`objective_terms` dispatches on `LossSpec.estimator`; the inputs dataclass must match):
+Estimators (`objective_terms` dispatches on `LossConfig.estimator`; the inputs dataclass must match):
     full   FullInputs   exact KL over the vocabulary from the student's hidden states and lm_head weight; chunked
                         over tokens and vocabulary, student logits recomputed chunk-wise in backward, so no
                         [T x V] intermediate is ever live (like fused linear cross-entropy). Cost: the logits
@@ -31,7 +32,7 @@ Estimators (`objective_terms` dispatches on `LossSpec.estimator`; the inputs dat
 The teacher must already be in the student's vocabulary (an EAGLE-3 head with a reduced draft vocabulary gets the
 target's logits restricted to the d2t ids by the caller); teacher inputs are constants (no gradient).
 
-Caps: a per-token loss above `clamp` counts as `clamp` in the value, and its gradient is scaled by
+Caps (`clamp` is `loss.logprob_clamp`): a per-token loss above `clamp` counts as `clamp` in the value, and its gradient is scaled by
 clamp / KL instead of cut (cap(x) = x * min(1, clamp / x) with the factor held constant). A hard cap gives
 no gradient exactly where the student is confidently wrong (q(y) = 0.95 on a token the teacher gives 1e-7:
 RKL 15.3), the positions reverse KL exists for; the scaled gradient keeps their direction and bounds their size.
@@ -53,40 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCOPES = ("all", "first")
-ESTIMATORS = ("full", "topk", "token")
-DIRECTIONS = ("mixed", "forward", "reverse")
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Flat loss settings. Defaults live in the config (`loss.*`); `clamp` is `loss.logprob_clamp`."""
-
-    gamma: float
-    lambda_acc: float
-    lambda_rej: float
-    rejected_scope: str  # all | first
-    estimator: str  # full | topk | token
-    directions: str  # mixed | forward | reverse
-    clamp: float
-    vocab_chunk: int
-    token_chunk: int = 1024  # token chunk of the `full` estimator (its only home: not a user setting)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
-        if self.lambda_acc < 0 or self.lambda_rej < 0:
-            raise ValueError(f"lambda_acc, lambda_rej must be >= 0, got {self.lambda_acc}, {self.lambda_rej}")
-        for name, value, allowed in (
-            ("rejected_scope", self.rejected_scope, SCOPES),
-            ("estimator", self.estimator, ESTIMATORS),
-            ("directions", self.directions, DIRECTIONS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        if self.clamp <= 0 or self.vocab_chunk < 1 or self.token_chunk < 1:
-            raise ValueError("clamp must be > 0 and vocab_chunk, token_chunk >= 1")
-
+from draft_opd_ray.config.schema import REJECTED_SCOPES, LossConfig
 
 # --------------------------------------------------------------------------------------------------------------
 # Position sets and weights (no logits needed)
@@ -108,8 +76,8 @@ def position_sets(
     accepted: torch.Tensor, valid_len: torch.Tensor, block_size: int, scope: str
 ) -> PositionSets:
     """A and R of §2.4 as boolean masks over block offsets k = 1..K (column k-1)."""
-    if scope not in SCOPES:
-        raise ValueError(f"rejected_scope must be one of {SCOPES}, got {scope!r}")
+    if scope not in REJECTED_SCOPES:
+        raise ValueError(f"rejected_scope must be one of {REJECTED_SCOPES}, got {scope!r}")
     if accepted.shape != valid_len.shape or accepted.dim() != 1:
         raise ValueError(f"accepted and valid_len must both be (N,), got {accepted.shape}, {valid_len.shape}")
     if bool(((accepted < 0) | (accepted > valid_len) | (valid_len > block_size)).any()):
@@ -123,7 +91,7 @@ def position_sets(
 
 
 def position_weights(
-    accepted: torch.Tensor, valid_len: torch.Tensor, block_size: int, spec: LossSpec
+    accepted: torch.Tensor, valid_len: torch.Tensor, block_size: int, spec: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position weights of the forward and reverse KL terms, each (N, K) float64."""
     sets = position_sets(accepted, valid_len, block_size, spec.rejected_scope)
@@ -138,7 +106,7 @@ def position_weights(
     )
 
 
-def denominator(accepted: torch.Tensor, valid_len: torch.Tensor, block_size: int, spec: LossSpec) -> float:
+def denominator(accepted: torch.Tensor, valid_len: torch.Tensor, block_size: int, spec: LossConfig) -> float:
     """lambda_acc |A| + lambda_rej sum_R gamma^(k-1) of these anchors, the same for every `directions`."""
     w_fwd, w_rev = position_weights(accepted, valid_len, block_size, spec)
     return float((w_fwd + w_rev).sum())
@@ -401,7 +369,7 @@ def objective_terms(
     accepted: torch.Tensor,  # (N,) long
     valid_len: torch.Tensor,  # (N,) long, K' per anchor
     block_size: int,
-    spec: LossSpec,
+    spec: LossConfig,
 ) -> ObjectiveTerms:
     """Numerator and denominator of L (§2.4) for these anchors; inputs at the flattened valid positions."""
     expected = {"full": FullInputs, "topk": TopkInputs, "token": TokenInputs}[spec.estimator]
@@ -423,7 +391,7 @@ def objective_terms(
             inputs.teacher_logits,
             w_fwd,
             w_rev,
-            spec.clamp,
+            spec.logprob_clamp,
             spec.token_chunk,
             spec.vocab_chunk,
         )
@@ -444,12 +412,12 @@ def objective_terms(
                 inputs.drafted_ids,
                 inputs.teacher_logprob_committed,
                 inputs.teacher_logprob_drafted,
-                spec.clamp,
+                spec.logprob_clamp,
             )
             lp_clamped = int(((cl_f & (w_fwd > 0)) | (cl_r & (w_rev > 0))).sum())
-        num = _capped_sum(fkl, w_fwd, spec.clamp) + _capped_sum(rkl, w_rev, spec.clamp)
+        num = _capped_sum(fkl, w_fwd, spec.logprob_clamp) + _capped_sum(rkl, w_rev, spec.logprob_clamp)
     den = float((w_fwd + w_rev).sum())
-    metrics = _metrics(fkl.detach(), rkl.detach(), w_fwd, w_rev, den, spec.clamp)
+    metrics = _metrics(fkl.detach(), rkl.detach(), w_fwd, w_rev, den, spec.logprob_clamp)
     decay = spec.gamma ** torch.arange(block_size, dtype=torch.float64, device=accepted.device)
     metrics.update(
         n_acc=float(sets.forward_set.sum()),

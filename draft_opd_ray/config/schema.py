@@ -15,6 +15,9 @@ from draft_opd_ray.models.kinds import KINDS
 
 # loss.objective: Draft-OPD, and the two controls that train on the same rollouts without replaying drafted blocks
 OBJECTIVES = ("opd", "sft_on_rollouts", "sft_on_rollouts_soft")
+REJECTED_SCOPES = ("all", "first")  # loss.rejected_scope
+ESTIMATORS = ("full", "topk", "token")  # loss.estimator
+DIRECTIONS = ("mixed", "forward", "reverse")  # loss.directions
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -293,7 +296,7 @@ class TeacherConfig:
 
 @dataclass
 class LossConfig:
-    """The acceptance-aware objective (docs/design.md, "Objective")."""
+    """The acceptance-aware objective (docs/design.md, "Objective"); `draft_opd_ray.algo.loss` takes it as is."""
 
     gamma: float = 0.8  # decay of rejected positions, w_k = gamma^(k-1)
     lambda_acc: float = 1.0
@@ -310,6 +313,7 @@ class LossConfig:
     draft_topm: int = 16
     logprob_clamp: float = 10.0
     vocab_chunk: int = 8192  # vocabulary chunk of the `full` estimator
+    token_chunk: int = 1024  # token chunk of the `full` estimator
 
     def __post_init__(self) -> None:
         _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
@@ -318,13 +322,14 @@ class LossConfig:
         _check(
             self.lambda_acc + self.lambda_rej > 0, "loss.lambda_acc", "lambda_acc + lambda_rej must be > 0"
         )
-        _one_of(self.rejected_scope, "loss.rejected_scope", ("all", "first"))
-        _one_of(self.estimator, "loss.estimator", ("full", "topk", "token"))
-        _one_of(self.directions, "loss.directions", ("mixed", "forward", "reverse"))
+        _one_of(self.rejected_scope, "loss.rejected_scope", REJECTED_SCOPES)
+        _one_of(self.estimator, "loss.estimator", ESTIMATORS)
+        _one_of(self.directions, "loss.directions", DIRECTIONS)
         _one_of(self.objective, "loss.objective", OBJECTIVES)
         _check(self.draft_topm >= 0, "loss.draft_topm", f"must be >= 0, got {self.draft_topm}")
         _check(self.logprob_clamp > 0, "loss.logprob_clamp", "must be > 0")
         _check(self.vocab_chunk >= 1, "loss.vocab_chunk", "must be >= 1")
+        _check(self.token_chunk >= 1, "loss.token_chunk", "must be >= 1")
 
 
 @dataclass

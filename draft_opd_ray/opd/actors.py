@@ -11,14 +11,12 @@ LearnerGroup   one step on the L ranks: each mini-batch group split over the ran
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from draft_opd_ray.algo.loss import LossSpec
-from draft_opd_ray.config.schema import Config, LossConfig
+from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import RunError
 from draft_opd_ray.opd.batch import (
     ReplayItem,
@@ -29,13 +27,6 @@ from draft_opd_ray.opd.batch import (
 )
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, ActorSlot, PlacementPlan
 from draft_opd_ray.waits import wait_for, when_back
-
-
-def loss_spec(c: LossConfig) -> LossSpec:
-    """The objective's settings: the fields LossSpec shares with `loss.*`, and the clamp."""
-    same = {f.name: getattr(c, f.name) for f in dataclasses.fields(LossSpec) if hasattr(c, f.name)}
-    return LossSpec(**same, clamp=c.logprob_clamp)
-
 
 Options = Callable[[str, int], dict[str, Any]]  # (role, rank) -> Ray actor options in that slot's bundle
 
@@ -380,7 +371,7 @@ def _learner_ranks(
     o = cfg.optim
     settings: dict[str, Any] = dict(
         kind=cfg.draft.kind,
-        spec=loss_spec(cfg.loss),
+        spec=cfg.loss,
         objective=cfg.loss.objective,
         lr=o.lr,
         betas=o.betas,

@@ -21,7 +21,6 @@ import torch
 
 from draft_opd_ray.algo.loss import (
     FullInputs,
-    LossSpec,
     ObjectiveTerms,
     TokenInputs,
     TopkInputs,
@@ -30,7 +29,7 @@ from draft_opd_ray.algo.loss import (
     sft_terms,
 )
 from draft_opd_ray.checkpoint import plain
-from draft_opd_ray.config.schema import OBJECTIVES
+from draft_opd_ray.config.schema import OBJECTIVES, LossConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
@@ -101,7 +100,7 @@ class Learner:
         target: str,
         *,
         kind: str = "eagle3",
-        spec: LossSpec,
+        spec: LossConfig,
         objective: str = "opd",
         lr: float,
         betas: Sequence[float],

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.actors import loss_spec
 
 pytestmark = pytest.mark.deepspeed
 
@@ -21,7 +20,7 @@ def _learner(draft: Path, target: Path, kind: str = "eagle3", estimator: str = "
 
     settings: dict[str, Any] = dict(
         kind=kind,
-        spec=loss_spec(LossConfig(estimator=estimator)),
+        spec=LossConfig(estimator=estimator),
         lr=3e-3,
         betas=[0.9, 0.95],
         weight_decay=0.0,

@@ -49,11 +49,11 @@ def _items(item: ReplayItem) -> list[ReplayItem]:
 
 
 def _group(draft: Path, target: Path, zero_stage: int) -> Any:
-    from draft_opd_ray.opd.actors import LearnerGroup, loss_spec, start_learner_ranks
+    from draft_opd_ray.opd.actors import LearnerGroup, start_learner_ranks
 
     settings: dict[str, Any] = dict(
         kind="eagle3",
-        spec=loss_spec(LossConfig(estimator="full")),
+        spec=LossConfig(estimator="full"),
         lr=1e-2,
         betas=[0.9, 0.95],
         weight_decay=0.01,

@@ -29,7 +29,7 @@ def ray_local() -> Iterator[None]:
 def _groups(case: Any) -> tuple[Any, Any]:
     import ray
 
-    from draft_opd_ray.opd.actors import LearnerGroup, ReplayGroup, loss_spec, start_learner_ranks
+    from draft_opd_ray.opd.actors import LearnerGroup, ReplayGroup, start_learner_ranks
     from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.opd.students import replay_needs
 
@@ -41,7 +41,7 @@ def _groups(case: Any) -> tuple[Any, Any]:
     )
     settings: dict[str, Any] = dict(
         kind="eagle3",
-        spec=loss_spec(LossConfig(estimator="full")),
+        spec=LossConfig(estimator="full"),
         lr=1e-3,
         betas=[0.9, 0.95],
         weight_decay=0.0,

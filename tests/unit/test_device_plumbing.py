@@ -25,7 +25,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.actors import loss_spec
 from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, committed_blocks
 
 DEVICE = torch.device("meta")  # the accelerator's stand-in
@@ -144,7 +143,7 @@ def _learner(draft: Path, target: Path, kind: str, estimator: str, objective: st
     learner = Learner.__new__(Learner)
     learner.student = make_student(kind, str(draft), str(target))
     learner.model = learner.student.model
-    learner.spec, learner.objective = loss_spec(LossConfig(estimator=estimator)), objective
+    learner.spec, learner.objective = LossConfig(estimator=estimator), objective
     return learner
 
 

@@ -11,7 +11,6 @@ import torch
 
 from draft_opd_ray.algo.loss import (
     FullInputs,
-    LossSpec,
     TokenInputs,
     TopkInputs,
     denominator,
@@ -22,11 +21,12 @@ from draft_opd_ray.algo.loss import (
     token_kl,
     topk_kl,
 )
+from draft_opd_ray.config.schema import LossConfig
 
 F64 = torch.float64
 
 
-def spec(**kw) -> LossSpec:
+def spec(**kw) -> LossConfig:
     base: dict = dict(
         gamma=0.8,
         lambda_acc=1.0,
@@ -34,11 +34,11 @@ def spec(**kw) -> LossSpec:
         rejected_scope="all",
         estimator="full",
         directions="mixed",
-        clamp=10.0,
+        logprob_clamp=10.0,
         vocab_chunk=5,
         token_chunk=4,
     )
-    return LossSpec(**{**base, **kw})
+    return LossConfig(**{**base, **kw})
 
 
 def anchors(seed: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ def exact_kls(
 
 
 def brute_objective(
-    fkl: list[float], rkl: list[float], accepted: torch.Tensor, valid_len: torch.Tensor, sp: LossSpec
+    fkl: list[float], rkl: list[float], accepted: torch.Tensor, valid_len: torch.Tensor, sp: LossConfig
 ) -> tuple[float, float]:
     """Numerator and denominator of §2.4, position by position from the set definitions."""
     num = den = 0.0
@@ -80,7 +80,7 @@ def brute_objective(
             in_r = k >= a + 1 if sp.rejected_scope == "all" else k == a + 1
             wa = sp.lambda_acc if in_a else 0.0
             wr = sp.lambda_rej * sp.gamma ** (k - 1) if in_r else 0.0
-            f, r = min(fkl[t], sp.clamp), min(rkl[t], sp.clamp)
+            f, r = min(fkl[t], sp.logprob_clamp), min(rkl[t], sp.logprob_clamp)
             if sp.directions == "mixed":
                 num += wa * f + wr * r
             else:
@@ -273,7 +273,7 @@ def test_token_objective_matches_brute_force_with_logprob_clamps() -> None:
     c, y = torch.randint(0, V, (T,), generator=g), torch.randint(0, V, (T,), generator=g)
     lp_c, lp_y = -torch.rand(T, generator=g, dtype=F64) * 3, -torch.rand(T, generator=g, dtype=F64) * 3
     lp_y[0], lp_c[1] = -30.0, -25.0  # teacher log-probs below -clamp
-    sp = spec(estimator="token", clamp=10.0)
+    sp = spec(estimator="token", logprob_clamp=10.0)
     terms = objective_terms(TokenInputs(student, c, y, lp_c, lp_y), accepted, valid_len, 4, sp)
     lq = torch.log_softmax(student, -1)
     fkl, rkl = [], []
@@ -302,7 +302,7 @@ def test_loss_cap_counts_and_gradients() -> None:
     teacher = teacher * 3  # sharper teacher: a spread of KL values around the cap
     fw, rv = exact_kls(hidden @ weight.T, teacher)
     cap = float(torch.cat([fw, rv]).median())
-    sp = spec(clamp=cap)
+    sp = spec(logprob_clamp=cap)
     h = hidden.clone().requires_grad_()
     terms = objective_terms(FullInputs(h, weight, teacher), accepted, valid_len, 4, sp)
     num, _ = brute_objective(fw.tolist(), rv.tolist(), accepted, valid_len, sp)
@@ -341,7 +341,7 @@ def test_confident_mistake_gets_a_gradient(estimator: str) -> None:
     rkl = float((lq.exp() * (lq - lp)).sum())
     assert rkl > 15.0  # above the cap
     accepted, valid_len = torch.tensor([0]), torch.tensor([1])  # one block of one token, rejected: k = a + 1
-    sp = spec(estimator=estimator, clamp=10.0, directions="reverse")
+    sp = spec(estimator=estimator, logprob_clamp=10.0, directions="reverse")
     hidden = torch.eye(V, dtype=F64)[:1] * 0 + lq[None]  # (1, V): logits = hidden @ I
     hidden.requires_grad_()
     inputs: FullInputs | TopkInputs | TokenInputs
@@ -424,6 +424,8 @@ def test_invalid_spec_and_mismatched_inputs_fail_clearly() -> None:
         spec(rejected_scope="some")
     with pytest.raises(ValueError, match="gamma"):
         spec(gamma=0.0)
+    with pytest.raises(ValueError, match="loss.token_chunk"):
+        spec(token_chunk=0)
     hidden, weight, teacher = tensors(17, 4, 3, 5)
     with pytest.raises(TypeError, match="TokenInputs"):
         objective_terms(
@@ -462,7 +464,7 @@ def test_draft_topm_gives_a_confident_mistake_outside_the_teachers_top_k_its_own
         return sum(float(q[v] * (lq[v] - lp[v])) for v in support) + qt * math.log(qt / pt)
 
     accepted, valid_len = torch.tensor([0]), torch.tensor([1])
-    sp = spec(estimator="topk", clamp=1e9, directions="reverse")
+    sp = spec(estimator="topk", logprob_clamp=1e9, directions="reverse")
     grads, values = {}, {}
     for name, extra in (("teacher top-k", None), ("with the draft's top-m", d_ids)):
         s = lq[None].clone().requires_grad_()

@@ -1,5 +1,5 @@
-"""The pure pieces of the Draft-OPD loop: records -> replay items, the staleness filter over finished rounds, the
-objective's settings from `loss.*`, and the learner's mini-batch split. Records are built by hand."""
+"""The pure pieces of the Draft-OPD loop: records -> replay items, the staleness filter over finished rounds, and the
+learner's mini-batch split. Records are built by hand."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from draft_opd_ray.algo.loss import LossSpec
 from draft_opd_ray.config.schema import AnchorConfig, Config, LossConfig, ReplayConfig
-from draft_opd_ray.opd.actors import loss_spec
 from draft_opd_ray.opd.learner import split_mini_batches
 from draft_opd_ray.opd.loop import replay_items, take_rounds
 from draft_opd_ray.rollout.records import RequestRecord, consistency_error
@@ -111,14 +109,8 @@ def test_take_rounds_keeps_everything_within_the_bound() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# loss_spec, split_mini_batches
+# split_mini_batches
 # --------------------------------------------------------------------------------------------------
-
-
-def test_loss_spec_takes_the_loss_node() -> None:
-    c = LossConfig(gamma=0.6, lambda_rej=2.0, rejected_scope="first", estimator="topk", logprob_clamp=7.0)
-    sp = loss_spec(c)
-    assert sp == LossSpec(0.6, 1.0, 2.0, "first", "topk", "mixed", 7.0, c.vocab_chunk)
 
 
 def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
