@@ -36,7 +36,7 @@ from _results import add_result_args, write_result
 
 def time_sequence(t, actor, model, rng: random.Random, args: argparse.Namespace) -> dict:
     """Median seconds of packed, plain (and naive) scoring of one trajectory, interleaved over repeats."""
-    from draft_opd_ray.opd.batch import ReplayItem, pack_branches
+    from draft_opd_ray.wire import ReplayItem, pack_branches
 
     K = args.k
     seq = t.prompt_ids + t.response_ids

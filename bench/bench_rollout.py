@@ -69,7 +69,7 @@ def timed_generate(engine, prompts: list[list[int]], max_new_tokens: int, procs=
     Returns (records, wall seconds, generated tokens, CPU seconds of `procs`)."""
     from vllm import SamplingParams, TokensPrompt
 
-    from draft_opd_ray.rollout.records import RequestRecord
+    from draft_opd_ray.wire import RequestRecord
 
     params = SamplingParams(
         temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False, seed=None
@@ -99,8 +99,9 @@ def global_metrics_check(target, draft, prompts, args) -> tuple[str, dict]:
     """tau from the anchor records vs vLLM's global spec-decode counters (needs stat logging on)."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from draft_opd_ray.rollout.engine import EXTENSION, SCHEDULER, speculative_config
+    from draft_opd_ray.rollout.engine import SCHEDULER, speculative_config
     from draft_opd_ray.rollout.vllm_ext import TRACE_KEY
+    from draft_opd_ray.sync.receiver import EXTENSION
 
     llm = LLM(
         str(target),
@@ -200,14 +201,15 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import psutil
+    from draft_opd_ray.models.standalone import build_standalone_from_target
     from transformers import AutoTokenizer
 
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
     from draft_opd_ray.models.embedded import ensure_embedded_target
-    from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.rollout.engine import SpecDecodeEngine
-    from draft_opd_ray.rollout.records import consistency_error, tau, tau_vllm
+    from draft_opd_ray.rollout.records import tau, tau_vllm
+    from draft_opd_ray.wire import consistency_error
 
     t_all = time.perf_counter()
     target = ensure_embedded_target()

@@ -6,7 +6,7 @@
 Writes results/bench/T-threads.json (`--out`; format: results/README.md): the in-process ratios only; the whole
 loop's step times of the T-threads line come from `python -m draft_opd_ray.main` runs, not from this script.
 
-What `cluster.cpu_threads=auto` changes on a CPU cluster (`opd/actors.py: cpu_share`): the learner runs on every
+What `cluster.cpu_threads=auto` changes on a CPU cluster (`loop/actors.py: cpu_share`): the learner runs on every
 core of its node, the replay on those no vLLM engine is bound to. This times the two pieces alone, on the same
 synthetic sequences (600 tokens, an anchor every 1-5 tokens after a 150-token prompt, blocks partly accepted: what
 matters for the cost is the number of anchors and branch tokens, not which ids they carry), and checks that the
@@ -26,7 +26,7 @@ from _results import add_result_args, write_result
 
 
 def items(n: int, k: int, length: int = 600, prompt: int = 150) -> list:
-    from draft_opd_ray.opd.batch import ReplayItem
+    from draft_opd_ray.wire import ReplayItem
 
     rng = random.Random(0)
     out = []
@@ -55,11 +55,12 @@ def main() -> None:
     add_result_args(ap)
     args = ap.parse_args()
 
+    from draft_opd_ray.models.standalone import build_standalone_from_target
+
     from draft_opd_ray.cache import default_cache_dir
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.device import node_threads
     from draft_opd_ray.models.embedded import ensure_embedded_target
-    from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.models.target import read_target_info
     from draft_opd_ray.opd.learner import Learner
     from draft_opd_ray.opd.replay import ReplayActor

@@ -7,7 +7,7 @@ SmolLM2-135M target, standalone draft (the target's first 29 of 30 layers: ~0.5 
 
 Writes results/bench/P6.json (`--out`; format: results/README.md).
 
-Transports (draft_opd_ray/opd/weight_sync.py): `shm_file` (default on one node) -- the publisher writes the state
+Transports (draft_opd_ray/sync/weight_sync.py): `shm_file` (default on one node) -- the publisher writes the state
 dict once per version to a shared-memory safetensors file and sends each worker its path; `object_store` -- one
 `ray.put`, then every worker writes its own file for its engine (with --zero-copy-torch: Ray's zero-copy tensor
 pickling).
@@ -164,16 +164,16 @@ def main() -> None:
 
     import ray
     import torch
+    from draft_opd_ray.models.standalone import build_standalone_from_target
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
     from draft_opd_ray.models.embedded import ensure_embedded_target
-    from draft_opd_ray.models.standalone import build_standalone_from_target
     from draft_opd_ray.models.target import read_target_info, stop_token_ids
-    from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
     from draft_opd_ray.rollout.engine import Sampling
+    from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     t_all = time.perf_counter()
     target = ensure_embedded_target()

@@ -3,12 +3,14 @@
 One rank (the default): a group of one on a fresh free port. Several ranks (the learner's data-parallel group
 across Ray actors): rank 0 reports its node's address and a free port (`rendezvous_address`), the driver hands
 it to every rank, and each calls `init_process_group(backend, rank=r, world_size=n, master=(addr, port))`.
+How a batch is split between ranks (or actors) by cost: `balanced_shards`.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 
 _ENV = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -111,3 +113,18 @@ def release_process_group() -> None:
         pass
     for k in _ENV:
         os.environ.pop(k, None)
+
+
+def balanced_shards(weights: Sequence[float], parts: int) -> list[list[int]]:
+    """Indices 0..len(weights)-1 split into ``parts`` shards of about equal total weight (longest first onto the
+    lightest shard), each in ascending order; shards may be empty when there are fewer items than parts. How the
+    SFT ranks, the replay actors and the learner ranks share a batch."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    load = [0.0] * parts
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(weights)), key=lambda j: (-weights[j], j)):
+        s = min(range(parts), key=lambda p: (load[p], p))
+        shards[s].append(i)
+        load[s] += weights[i]
+    return [sorted(s) for s in shards]

@@ -2,7 +2,7 @@
 
     prepare   target folder (embedded default converted once), draft-vs-target check, prompt sets
     sft       warm start (or baseline) of the draft                      -> checkpoints/sft/...
-    opd       the Draft-OPD loop on Ray (draft_opd_ray.opd.loop)          -> checkpoints/opd/...
+    opd       the Draft-OPD loop on Ray (draft_opd_ray.loop.opd)          -> checkpoints/opd/...
     eval      τ, per-position acceptance, speed-up, ngram beside it       -> eval/report.{json,md}, plots
 Around the stages that run on Ray (`ray_stages`): connect, check cluster.storage_dir, reserve the plan
 (draft_opd_ray.cluster); the reservation is released and Ray shut down after the last stage. With a reservation the
@@ -123,7 +123,7 @@ def opd_stage(
 ) -> str:
     """The Draft-OPD loop in the run's reservation (Ray is connected by `run`, around every stage); rollouts
     stop at any of ``stop`` (the target's eos ids)."""
-    from draft_opd_ray.opd.loop import run_opd
+    from draft_opd_ray.loop.opd import run_opd
 
     out = run_opd(cfg, plan, target, draft, prompts, stop, run_dir, metrics, reservation=reservation)
     return str(out)

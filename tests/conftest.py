@@ -19,7 +19,7 @@ import torch
 
 from draft_opd_ray.models.embedded import ensure_embedded_target
 from draft_opd_ray.models.tiny import build_tiny_target
-from draft_opd_ray.opd.batch import ReplayItem
+from draft_opd_ray.wire import ReplayItem
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,8 +84,9 @@ class ReplayCase:
 
     def replay(self, kind: str, draft: Path, **kwargs: Any) -> Any:
         """A replay actor shipping what ``kind``'s student needs (`replay_needs`: features, vocabulary)."""
-        from draft_opd_ray.opd.replay import ReplayActor
         from draft_opd_ray.opd.students import replay_needs
+
+        from draft_opd_ray.opd.replay import ReplayActor
 
         feats, ids = replay_needs(kind, str(draft), str(self.target))
         return ReplayActor(str(self.target), aux_layer_ids=feats, draft_ids=ids, k=self.k, **kwargs)
@@ -93,9 +94,9 @@ class ReplayCase:
 
 @pytest.fixture(scope="module")
 def replay_case(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> ReplayCase:
+    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
     from transformers import AutoModelForCausalLM
 
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
     from draft_opd_ray.rollout.reference import target_generate
 
     draft = save_eagle3(

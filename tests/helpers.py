@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.wire import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.wire import RequestRecord
 
 
 @dataclass(frozen=True)

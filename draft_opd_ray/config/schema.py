@@ -223,8 +223,8 @@ class RolloutConfig:
     prompts_per_round: int = 16  # per worker, between two weight swaps
     kvcache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     gpu_memory_utilization: float = 0.5
-    # draft-weight transport to the workers: auto = nccl on a GPU cluster (nccl_sync.py), else shm_file on one
-    # node (one file per version, shared by every engine), object_store across nodes (weight_sync.py)
+    # draft-weight transport to the workers: auto = nccl on a GPU cluster (sync/nccl.py), else shm_file on one
+    # node (one file per version, shared by every engine), object_store across nodes (sync/weight_sync.py)
     weight_sync: str = "auto"
 
     def __post_init__(self) -> None:

@@ -214,7 +214,7 @@ def validate(cfg: Config) -> PlacementPlan:
     _check_draft_against_target(cfg)
     plan = plan_for(cfg)
     if "opd" in cfg.stages:  # the weight transport the placement allows (NCCL: no GPU shared with the sender)
-        from draft_opd_ray.opd.nccl_sync import plan_weight_sync
+        from draft_opd_ray.sync.nccl import plan_weight_sync
 
         plan_weight_sync(cfg.rollout.weight_sync, plan)
     return plan

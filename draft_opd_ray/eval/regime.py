@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_opd_ray.rollout.records import RequestRecord, read_parquet
+from draft_opd_ray.rollout.records import read_parquet
+from draft_opd_ray.wire import RequestRecord
 
 
 def regime(records: Sequence[RequestRecord]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.eval.stats import bootstrap_ci
-from draft_opd_ray.rollout.records import RequestRecord, tau, tau_vllm
+from draft_opd_ray.rollout.records import tau, tau_vllm
+from draft_opd_ray.wire import RequestRecord
 
 
 def tau_stats(records: Sequence[RequestRecord]) -> dict[str, float]:

@@ -32,7 +32,7 @@ from draft_opd_ray.checkpoint import plain
 from draft_opd_ray.config.schema import OBJECTIVES, LossConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
-from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
+from draft_opd_ray.opd.batch import committed_blocks
 from draft_opd_ray.optim import (
     build_engine,
     load_optimizer_state,
@@ -40,6 +40,7 @@ from draft_opd_ray.optim import (
     trainable_parameters,
     update_lr_factor,
 )
+from draft_opd_ray.wire import TeacherItem
 
 
 def split_mini_batches(batch: Sequence[TeacherItem], parts: int) -> list[list[TeacherItem]]:
@@ -324,10 +325,10 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
 
-    # ---- NCCL weight sync (`opd/nccl_sync.py`): rank 0 is the sender --------------------------------------
+    # ---- NCCL weight sync (`sync/nccl.py`): rank 0 is the sender --------------------------------------
 
     def nccl_endpoint(self) -> tuple[str, int]:
-        from draft_opd_ray.opd.nccl_sync import free_endpoint, require_cuda
+        from draft_opd_ray.sync.nccl import free_endpoint, require_cuda
 
         require_cuda("learner")
         return free_endpoint()
@@ -335,7 +336,7 @@ class Learner:
     def nccl_open(self, address: str, port: int, world_size: int) -> None:
         """Join a new group as its sender; a group formed before (re-formed after an engine restarted) is
         dropped first."""
-        from draft_opd_ray.opd.nccl_sync import NcclSender
+        from draft_opd_ray.sync.nccl import NcclSender
 
         old = getattr(self, "_sender", None)
         if old is not None:

@@ -1,6 +1,6 @@
 """ReplayActor: teacher log-probs (and target features) on the draft's own blocks at the selected anchors
 (docs/design.md, "Replay"). Runs on the devices that hold the target; the data contracts and the packing math are
-in `opd/batch.py`, the per-kind redraft in `opd/students.py`.
+in `wire.py`, the per-kind redraft in `opd/students.py`.
 
 For one committed sequence x (prompt + response, length T) and its anchors (n, y_1..y_K', a):
 - one target forward over x gives the features the EAGLE-3 student conditions on and the teacher
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from draft_opd_ray.device import actor_device, node_threads
-from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, TeacherSummary, pack_branches
-from draft_opd_ray.opd.refit import RefitAck
+from draft_opd_ray.sync.refit import RefitAck
+from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, pack_branches
 
 
 class ReplayActor:
@@ -246,8 +246,8 @@ class ReplayActor:
         return logits.topk(m, dim=-1).indices.cpu()
 
     def refit_ack(self) -> RefitAck:
-        """The refit proof of the draft copy redraft uses (`opd/refit.py`): its tensors, fingerprinted as held."""
-        from draft_opd_ray.opd.refit import fingerprints
+        """The refit proof of the draft copy redraft uses (`sync/refit.py`): its tensors, fingerprinted as held."""
+        from draft_opd_ray.sync.refit import fingerprints
 
         if self.student is None:
             raise RuntimeError("this replay actor holds no draft (replay mode recorded, draft_topm 0)")

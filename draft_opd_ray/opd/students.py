@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from draft_opd_ray.models.kinds import draft_kind
-from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, branch_mask, pack_branches
+from draft_opd_ray.wire import ReplayItem, TeacherItem, branch_mask, pack_branches
 
 
 class Student(Protocol):

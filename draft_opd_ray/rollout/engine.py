@@ -22,18 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.device import resolve_dtype
+from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models import kinds
-from draft_opd_ray.opd.refit import RefitAck
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.sync import receiver as receiving
+from draft_opd_ray.sync.receiver import EXTENSION
+from draft_opd_ray.sync.refit import RefitAck
+from draft_opd_ray.wire import RequestRecord
 
 SCHEDULER = "draft_opd_ray.rollout.vllm_ext.AnchorRecordingScheduler"
-EXTENSION = "draft_opd_ray.rollout.vllm_ext.DraftWeightExtension"
 BASELINES = ("none", "ngram")  # methods that are not a trained draft: plain decoding, prompt lookup
-# checkpoint-name fragments vLLM's draft modules spell differently (beyond `opd/refit.served_key`'s rules)
-VLLM_ALIASES: dict[str, dict[str, str]] = {"eagle3": {"midlayer.": "layers.0."}}
-SHM = "/dev/shm"
-SHM_MARGIN = 16 << 20  # bytes left free in /dev/shm beside a weights file (vLLM and NCCL use it too)
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ def speculative_config(kind: str, path: str | None, k: int) -> dict[str, Any] | 
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 2,
         }
-    method = kinds.draft_kind(kind).vllm_method
+    method = registry.draft_kind(kind).vllm_method
     if path is None:
         raise ConfigError(f"draft.path: a {kind} draft needs a folder")
     return {"method": method, "model": str(path), "num_speculative_tokens": k}
@@ -90,16 +87,6 @@ def async_by_default() -> bool:
 def all_cores() -> str:
     """The cores this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND`` list (e.g. "0-1")."""
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-
-
-def scratch_dir(nbytes: int) -> str | None:
-    """Where to write a ``nbytes`` file the engine's worker reads: /dev/shm when it has room for it (memory, no
-    disk), else None (the temp dir). Docker's default /dev/shm is 64 MB, less than a draft's weights."""
-    try:
-        st = os.statvfs(SHM)
-    except OSError:  # no /dev/shm (not Linux)
-        return None
-    return SHM if st.f_bavail * st.f_frsize >= nbytes + SHM_MARGIN else None
 
 
 @contextlib.contextmanager
@@ -142,10 +129,10 @@ class SpecDecodeEngine:
         :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
         puts every engine on one core and leaves the other for the frontend). ``tensor_parallel``: GPUs (ranks)
         the engine shards the target and draft over (vLLM's ``tensor_parallel_size``). ``weight_transfer``: a vLLM
-        weight-transfer backend ("nccl") to receive draft weights through (`opd/nccl_sync.py`); None: files only.
+        weight-transfer backend ("nccl") to receive draft weights through (`sync/nccl.py`); None: files only.
         ``dtype``: the target's (and vLLM's draft's) precision; ``auto`` = `device.resolve_dtype` on this node."""
-        if draft_path is not None and draft_kind in kinds.KINDS:
-            kinds.check_draft_matches_target(target, draft_path, draft_kind)
+        if draft_path is not None and draft_kind in registry.KINDS:
+            registry.KINDS[draft_kind].check_folder(target, draft_path)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kvcache_gb)))  # whole GiB (config checks it)
         from vllm import LLM
 
@@ -167,7 +154,7 @@ class SpecDecodeEngine:
                 print(
                     "[engine] anchor recording: async_scheduling=False (synchronous scheduling)", flush=True
                 )
-            if draft_kind in kinds.KINDS:
+            if draft_kind in registry.KINDS:
                 kwargs["worker_extension_cls"] = EXTENSION
         if weight_transfer is not None:
             kwargs["weight_transfer_config"] = {"backend": weight_transfer}
@@ -255,78 +242,29 @@ class SpecDecodeEngine:
     # ------------------------------------------------------------------------------------------ weights
 
     def load_draft_weights(self, weights: dict[str, Any], version: int) -> None:
-        """Swap the draft's weights in place (between generation rounds); later records carry `version`.
-
-        The full draft state (checkpoint names) is written once to a file in shared memory that the engine's
-        worker process reads (the temp dir when /dev/shm lacks room: `scratch_dir`); vLLM's reloader needs every
-        weight, not a subset."""
-        import tempfile
-
-        from draft_opd_ray.opd.weight_sync import write_safetensors
-
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        with tempfile.NamedTemporaryFile(
-            dir=scratch_dir(nbytes), prefix="draft_opd_ray_", suffix=".safetensors"
-        ) as f:
-            write_safetensors(f.name, weights)
-            self.load_draft_weights_file(f.name, version)
+        """Swap the draft's weights in place (between generation rounds); later records carry `version`. The
+        full draft state goes through one file the engine's workers read (`sync.receiver.weights_file`)."""
+        with receiving.weights_file(weights) as path:
+            self.load_draft_weights_file(path, version)
 
     def load_draft_weights_file(self, path: str, version: int) -> None:
         """Like `load_draft_weights`, from a safetensors file with the full draft state that someone on this
         node already wrote (`SharedFileWeightSync` writes one per version for all workers on the node)."""
-        self.llm.collective_rpc("load_draft_weights", args=(path, version))
-        # cached prompt blocks hold KV computed by the old draft: drop them
-        self.llm.reset_prefix_cache()
+        receiving.apply_file(self.llm, path, version)
         self.version = version
 
     def nccl_init(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the sender's NCCL group (vLLM's weight-transfer engine, backend "nccl"), this engine's ranks at
-        ``rank_offset`` + tensor-parallel rank. A group joined before is dropped first (it is re-formed when
-        an engine restarted, `NcclWeightSync.restarted`)."""
-        self.llm.shutdown_weight_transfer_engine()
-        self.llm.init_weight_transfer_engine(
-            {
-                "init_info": {
-                    "master_address": address,
-                    "master_port": port,
-                    "rank_offset": rank_offset,
-                    "world_size": world_size,
-                    "packed": True,
-                }
-            }
-        )
+        """Join the sender's NCCL group as ranks ``rank_offset..`` (`sync.receiver.join_nccl`)."""
+        receiving.join_nccl(self.llm, address, port, rank_offset, world_size)
 
     def load_draft_weights_nccl(self, plan: dict[str, list[Any]], version: int) -> None:
-        """Receive a new draft version by NCCL broadcast: every rank loads the checkpoint-named tensors of
-        ``plan`` (names, dtype names, shapes) in vLLM's layerwise reload, started and finished around it."""
-        self.llm.start_draft_weight_update()
-        self.llm.update_weights({"update_info": plan})
-        self.llm.finish_weight_update()
-        self.llm.collective_rpc("set_draft_version", args=(version,))
-        self.llm.reset_prefix_cache()
+        """Receive a new draft version by NCCL broadcast (`sync.receiver.apply_nccl`)."""
+        receiving.apply_nccl(self.llm, plan, version)
         self.version = version
 
     def refit_ack(self, receiver: str) -> RefitAck:
-        """The refit proof (`opd/refit.py`): every rank's draft read back from the engine, fingerprinted, and
-        the ranks combined into one report of what this engine serves."""
-        from draft_opd_ray.opd.refit import combine_ranks
-
-        ranks = self.llm.collective_rpc("draft_fingerprints")
-        versions = {int(r["version"]) for r in ranks}
-        spec = self.llm.llm_engine.vllm_config.speculative_config
-        assert spec is not None  # an engine without a draft has nothing to refit
-        return RefitAck(
-            receiver=receiver,
-            version=versions.pop() if len(versions) == 1 else -1,  # ranks that disagree serve no one version
-            dtype=str(ranks[0]["dtype"]),
-            tensors=combine_ranks(
-                [{n: (int(a), int(b)) for n, (a, b) in r["tensors"].items()} for r in ranks]
-            ),
-            aliases=dict(VLLM_ALIASES.get(self.draft_kind, {})),
-            # KV heads fewer than the ranks are replicated: the check counts them (`refit.kv_replicas`)
-            tensor_parallel=int(spec.draft_parallel_config.tensor_parallel_size),
-            kv_heads=int(spec.draft_model_config.get_total_num_kv_heads()),
-        )
+        """The refit proof of what this engine serves (`sync.receiver.refit_ack`)."""
+        return receiving.refit_ack(self.llm, receiver, self.draft_kind)
 
     def shutdown(self) -> None:
         import gc

@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.wire import RequestRecord
 
 
 class Drafter(Protocol):

@@ -1,24 +1,18 @@
-"""vLLM extension points for anchor recording and in-place draft weight updates (no fork, no patching).
+"""vLLM's scheduler extension point for anchor recording (no fork, no patching).
 
-Both classes are loaded by qualified name inside vLLM's own processes:
+`AnchorRecordingScheduler` (`LLM(..., scheduler_cls=...)`, runs in the EngineCore process): after each
+model step it reads, per request, the drafted ids the target just verified
+(`SchedulerOutput.scheduled_spec_decode_tokens`) and the tokens the target sampled for them
+(`ModelRunnerOutput.sampled_token_ids`: the accepted drafts plus one correction/bonus token), so
+accepted = len(sampled) - 1, exactly vLLM's own counter. The step list travels back to the driver on
+the request's final output in `kv_transfer_params` (a free-form dict vLLM copies verbatim into
+`RequestOutput.kv_transfer_params`; unused when no KV connector is configured, which we check). It needs
+synchronous scheduling (`async_scheduling=False`, which `SpecDecodeEngine` passes when it records): with async
+scheduling on, vLLM's engine core never hands the drafts to a plain `Scheduler` subclass and the scheduled
+drafts are -1 placeholders, so it refuses to start, and a step with placeholder drafts raises.
 
-* `AnchorRecordingScheduler` (`LLM(..., scheduler_cls=...)`, runs in the EngineCore process): after each
-  model step it reads, per request, the drafted ids the target just verified
-  (`SchedulerOutput.scheduled_spec_decode_tokens`) and the tokens the target sampled for them
-  (`ModelRunnerOutput.sampled_token_ids`: the accepted drafts plus one correction/bonus token), so
-  accepted = len(sampled) - 1, exactly vLLM's own counter. The step list travels back to the driver on
-  the request's final output in `kv_transfer_params` (a free-form dict vLLM copies verbatim into
-  `RequestOutput.kv_transfer_params`; unused when no KV connector is configured, which we check). It needs
-  synchronous scheduling (`async_scheduling=False`, which `SpecDecodeEngine` passes when it records): with async
-  scheduling on, vLLM's engine core never hands the drafts to a plain `Scheduler` subclass and the scheduled
-  drafts are -1 placeholders, so it refuses to start, and a step with placeholder drafts raises.
-* `DraftWeightExtension` (`LLM(..., worker_extension_cls=...)`, mixed into the worker): methods callable
-  from the driver through `llm.collective_rpc`. `load_draft_weights` reloads the running draft with vLLM's
-  in-place reloader (the one `Worker.reload_weights` uses for the target): on CPU the linear weights are
-  repacked after loading, so a plain `model.load_weights` afterwards does not take. `draft_fingerprints`
-  reads the served draft back (the refit proof, `opd/refit.py`). The draft is the model runner's
-  `get_draft_model()` (Model Runner V2, which CUDA selects, holds it in `speculator`; V1 and the CPU runner in
-  `drafter`).
+The worker extension that receives draft weights (`DraftWeightExtension`) lives with the rest of weight sync,
+in `sync/receiver.py`.
 """
 
 from __future__ import annotations
@@ -85,94 +79,3 @@ class AnchorRecordingScheduler(Scheduler):
                         params[TRACE_KEY] = self._steps.pop(out.request_id)
                         out.kv_transfer_params = params
         return outputs
-
-
-class DraftWeightExtension:
-    """Worker-side methods; `self` is vLLM's worker. Call with `llm.collective_rpc(name, args=...)`."""
-
-    _draft_version: int = 0
-
-    def _draft_module(self) -> Any:
-        """The served draft module: the runner's `get_draft_model()` (V2's `speculator.model`, V1's unwrapped
-        `drafter.model`), else, for a runner without that method, V1's `drafter.model`."""
-        runner = self.model_runner  # type: ignore[attr-defined]
-        get = getattr(runner, "get_draft_model", None)
-        model = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
-        if model is None:
-            raise RuntimeError(
-                f"this engine has no draft model to update: its {type(runner).__name__} serves none "
-                "(is speculative decoding on, with a draft model rather than ngram?)"
-            )
-        return model
-
-    def draft_version(self) -> int:
-        return self._draft_version
-
-    def set_draft_version(self, version: int) -> int:
-        """The version just received by another path (vLLM's weight-transfer engine)."""
-        self._draft_version = int(version)
-        return self._draft_version
-
-    def draft_param_names(self) -> list[str]:
-        return [name for name, _ in self._draft_module().named_parameters()]
-
-    def draft_fingerprints(self) -> dict[str, Any]:
-        """This rank's refit proof: the version it serves, the draft's dtype and the fingerprint of every draft
-        tensor as the engine computes with it. A linear layer whose weight the CPU backend repacked into a
-        kernel handle (its `weight` left empty) is read back through that kernel: identity rows in, W^T out,
-        exactly (each output is one weight times 1 plus zeros)."""
-        import torch
-
-        from draft_opd_ray.opd.refit import tensor_fingerprint
-
-        model = self._draft_module()
-        dtype = self.vllm_config.speculative_config.draft_model_config.dtype  # type: ignore[attr-defined]
-        out: dict[str, list[int]] = {}
-        with torch.no_grad():
-            for mod_name, mod in model.named_modules():
-                for p_name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-                    if p_name in mod._non_persistent_buffers_set:
-                        continue
-                    if t.numel() == 0 and p_name == "weight" and hasattr(mod, "quant_method"):
-                        t = _read_back_linear(mod)
-                    out[f"{mod_name}.{p_name}" if mod_name else p_name] = list(tensor_fingerprint(t, dtype))
-        return {"version": self._draft_version, "dtype": str(dtype).removeprefix("torch."), "tensors": out}
-
-    def load_draft_weights(self, path: str, version: int) -> int:
-        """Replace the draft's weights in place from a safetensors file (checkpoint names, as in the
-        exported folder). A file, not tensors: collective_rpc's serializer does not carry tensors."""
-        import types
-
-        from safetensors.torch import load_file
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-        weights = load_file(path)
-        cfg = self.vllm_config  # type: ignore[attr-defined]
-        spec = cfg.speculative_config
-        draft_cfg = types.SimpleNamespace(
-            model_config=spec.draft_model_config,
-            load_config=spec.draft_load_config or cfg.load_config,
-            lora_config=None,
-        )
-        with set_current_vllm_config(cfg):
-            reload_weights(
-                draft_cfg,  # type: ignore[arg-type]  # only model_config / load_config / lora_config are read
-                self._draft_module(),
-                weights_iterator=iter(weights.items()),
-                weights_path=None,
-                is_checkpoint_format=True,
-            )
-        self._draft_version = int(version)
-        return len(weights)
-
-
-def _read_back_linear(layer: Any, rows: int = 2048) -> Any:
-    """W^T of a linear layer (this rank's shard) from its forward kernel, ``rows`` identity rows at a time."""
-    import torch
-
-    k = int(getattr(layer, "input_size_per_partition", getattr(layer, "input_size", 0)))
-    dtype, dev = layer.params_dtype, next(iter(layer.parameters())).device
-    eye = torch.eye(k, dtype=dtype, device=dev)
-    parts = [layer.quant_method.apply(layer, eye[i : i + rows]) for i in range(0, k, rows)]
-    return torch.cat(parts)  # (K, N)

@@ -12,9 +12,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from draft_opd_ray.opd.refit import RefitAck
 from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.sync.refit import RefitAck
+from draft_opd_ray.wire import RequestRecord
 
 
 class RolloutWorker:
@@ -68,7 +68,7 @@ class RolloutWorker:
         return version
 
     def refit_ack(self) -> RefitAck:
-        """The refit proof of the weights it serves now (`opd/refit.py`)."""
+        """The refit proof of the weights it serves now (`sync/refit.py`)."""
         return self.engine.refit_ack(f"rollout worker {self.rank}")
 
     def nccl_init(self, address: str, port: int, rank_offset: int, world_size: int) -> int:
@@ -77,7 +77,7 @@ class RolloutWorker:
         return self.rank
 
     def load_draft_weights_nccl(self, plan: dict[str, list[Any]], version: int) -> int:
-        """Receive the tensors of ``plan`` (`nccl_sync.nccl_plan`) from the learner's broadcast."""
+        """Receive the tensors of ``plan`` (`sync.nccl.nccl_plan`) from the learner's broadcast."""
         self.engine.load_draft_weights_nccl(plan, version)
         return version
 

@@ -38,11 +38,10 @@ from tqdm import tqdm
 from draft_opd_ray.checkpoint import clean_leftovers, latest_checkpoint, load_state, write_checkpoint
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, resolve_dtype
-from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
+from draft_opd_ray.distributed import all_reduce_sum, balanced_shards, init_process_group, world
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import json_line
 from draft_opd_ray.models.target import TargetInfo, read_target_info
-from draft_opd_ray.opd.batch import balanced_shards
 from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
 from draft_opd_ray.sft.features import (

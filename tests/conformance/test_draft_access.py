@@ -21,7 +21,7 @@ import torch
 
 def _ext(runner: Any) -> Any:
     """A worker with our extension mixed in, as vLLM builds it, holding ``runner``."""
-    from draft_opd_ray.rollout.vllm_ext import DraftWeightExtension
+    from draft_opd_ray.sync.receiver import DraftWeightExtension
 
     ext = object.__new__(DraftWeightExtension)
     ext.model_runner = runner  # type: ignore[attr-defined]

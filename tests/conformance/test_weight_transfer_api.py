@@ -1,9 +1,9 @@
 """The vLLM weight-transfer API as our NCCL refit calls it (`rollout/engine.py`: `nccl_init`,
-`load_draft_weights_nccl`; `opd/nccl_sync.py`: `NcclSender`), bound against the installed signatures:
+`load_draft_weights_nccl`; `sync/nccl.py`: `NcclSender`), bound against the installed signatures:
 `vllm/entrypoints/rl/offline.py` (the `LLM` methods), `vllm/distributed/weight_transfer/nccl_common.py`
 (`NCCLWeightTransferInitInfo`, `stateless_init_process_group`), `.../nccl_engine.py`
 (`NCCLWeightTransferUpdateInfo`), `.../packed_tensor.py` (`packed_nccl_broadcast_producer`) and the worker
-methods the engine's collective RPCs name (`vllm/v1/worker/gpu_worker.py`, our `rollout/vllm_ext.py`).
+methods the engine's collective RPCs name (`vllm/v1/worker/gpu_worker.py`, our `sync/receiver.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.opd.nccl_sync import nccl_plan
 from draft_opd_ray.rollout.engine import SpecDecodeEngine
+from draft_opd_ray.sync.nccl import nccl_plan
 
 
 class _LLMCalls:
@@ -40,7 +40,7 @@ def test_engine_weight_transfer_calls_bind_to_vllm() -> None:
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
     from vllm.v1.worker.gpu_worker import Worker
 
-    from draft_opd_ray.rollout.vllm_ext import DraftWeightExtension
+    from draft_opd_ray.sync.receiver import DraftWeightExtension
 
     engine = object.__new__(SpecDecodeEngine)
     engine.llm = _LLMCalls()  # type: ignore[assignment]
@@ -81,7 +81,7 @@ def test_sender_calls_bind_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.distributed.weight_transfer.nccl_common as common
     import vllm.distributed.weight_transfer.packed_tensor as packed
 
-    from draft_opd_ray.opd.nccl_sync import NcclSender
+    from draft_opd_ray.sync.nccl import NcclSender
 
     bound: dict[str, inspect.BoundArguments] = {}
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from draft_opd_ray.metrics import read_metrics
-from draft_opd_ray.rollout.records import consistency_error, read_parquet
+from draft_opd_ray.rollout.records import read_parquet
+from draft_opd_ray.wire import consistency_error
 from tests import helpers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed]

@@ -14,8 +14,9 @@ import pytest
 
 from draft_opd_ray.metrics import read_metrics
 from draft_opd_ray.models.tiny import build_tiny_qwen3_target, tokenizer_corpus
-from draft_opd_ray.rollout.records import consistency_error, read_parquet
+from draft_opd_ray.rollout.records import read_parquet
 from draft_opd_ray.sft.data import FINAL, read_trajectories
+from draft_opd_ray.wire import consistency_error
 from tests import helpers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed]

@@ -100,9 +100,9 @@ def test_learner_honours_bfloat16(replay_case) -> None:
 def test_sft_on_rollouts_is_cross_entropy_on_committed_tokens_without_teacher(replay_case) -> None:
     """loss.objective=sft_on_rollouts: the replay ships features only (no teacher distribution) and the learner's
     loss is the mean cross-entropy of the student's block positions against the committed tokens."""
+    from draft_opd_ray.loop.opd import committed_items
     from draft_opd_ray.opd.batch import committed_blocks
-    from draft_opd_ray.opd.loop import committed_items
-    from draft_opd_ray.rollout.records import RequestRecord
+    from draft_opd_ray.wire import RequestRecord
 
     c = replay_case
     prompt_len = 6
@@ -147,7 +147,7 @@ def test_a_non_finite_update_applies_nothing_and_the_next_good_one_steps(replay_
 
 
 def test_replay_and_learner_take_their_cpu_share(replay_case) -> None:
-    """`cpu_share` (reserved cores, sharers: `opd/actors.py: cpu_share`) sets the actor's torch threads."""
+    """`cpu_share` (reserved cores, sharers: `loop/actors.py: cpu_share`) sets the actor's torch threads."""
     from draft_opd_ray.device import node_threads
 
     c = replay_case

@@ -1,6 +1,6 @@
 """Resuming the learner as on GPU: 2 learner ranks (Ray actors, one DeepSpeed data-parallel group over gloo), ZeRO-1
 and ZeRO-2 in bfloat16 (the GPU configs `conf/cluster/*.yaml` use). A run checkpoints after two steps through the
-driver's own path (`opd.loop.save_checkpoint`: rank 0's draft, every rank's optimizer state in
+driver's own path (`loop.opd.save_checkpoint`: rank 0's draft, every rank's optimizer state in
 training_state.pt), a new group starts from that draft and loads the states through `checkpoint.load_state`
 (weights_only: nothing unpickled), and its next steps log the same losses as the run left alone.
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.batch import ReplayItem
+from draft_opd_ray.wire import ReplayItem
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -49,7 +49,7 @@ def _items(item: ReplayItem) -> list[ReplayItem]:
 
 
 def _group(draft: Path, target: Path, zero_stage: int) -> Any:
-    from draft_opd_ray.opd.actors import LearnerGroup, start_learner_ranks
+    from draft_opd_ray.loop.actors import LearnerGroup, start_learner_ranks
 
     settings: dict[str, Any] = dict(
         kind="eagle3",
@@ -81,7 +81,7 @@ def test_resume_continues_the_uninterrupted_run(
     import ray
 
     from draft_opd_ray.checkpoint import load_state
-    from draft_opd_ray.opd.loop import save_checkpoint
+    from draft_opd_ray.loop.opd import save_checkpoint
 
     c = replay_case
     teacher = c.replay("eagle3", c.eagle3).score(_items(c.item))

@@ -1,4 +1,4 @@
-"""The NCCL weight sync's bookkeeping (`opd/nccl_sync.py`) with real Ray actors standing in for the learner's
+"""The NCCL weight sync's bookkeeping (`sync/nccl.py`) with real Ray actors standing in for the learner's
 rank 0 and the engines. No NCCL runs here (no GPU): the stand-ins record the group they were told to join and
 answer the sync's calls, so these tests check what the sync asks for and when it raises, not the broadcast.
 
@@ -96,7 +96,7 @@ def _actors(send: str, load_s: list[float]) -> tuple[Any, list[Any]]:
 
 
 def test_a_failed_send_raises_at_once_instead_of_waiting_on_the_loads(ray_local: None) -> None:
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync
+    from draft_opd_ray.sync.nccl import NcclWeightSync
 
     sender, engines = _actors("fail", [600.0, 600.0])  # the receives never finish without the send
     sync = NcclWeightSync(engines, sender, [1, 1], verify=False)
@@ -113,7 +113,7 @@ def test_a_restarted_engine_re_forms_the_group_before_the_next_publication(ray_l
     import ray
     from ray.exceptions import RayActorError
 
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync
+    from draft_opd_ray.sync.nccl import NcclWeightSync
     from draft_opd_ray.waits import wait_for
 
     sender, engines = _actors("ok", [0.0, 0.0])
@@ -154,7 +154,7 @@ def test_a_restarted_engine_re_forms_the_group_before_the_next_publication(ray_l
 def test_an_engine_dead_before_a_pending_broadcast_stops_the_run(ray_local: None) -> None:
     import ray
 
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync
+    from draft_opd_ray.sync.nccl import NcclWeightSync
 
     sender, engines = _actors("stuck", [0.0, 30.0])  # engine 1 is still in its receive when it is killed
     sync = NcclWeightSync(engines, sender, [1, 1], verify=False, grace_s=2.0)

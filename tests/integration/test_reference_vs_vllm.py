@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from draft_opd_ray.rollout.drafters import DFlashDrafter, Eagle3Drafter
-from draft_opd_ray.rollout.records import RequestRecord, consistency_error, tau, tau_vllm
+
+from draft_opd_ray.rollout.records import tau, tau_vllm
 from draft_opd_ray.rollout.reference import CausalLMDrafter, speculative_generate
+from draft_opd_ray.wire import RequestRecord, consistency_error
 from tests.helpers import chat_prompt_ids, fit_eagle3, randomize_, target_pass
 
 pytestmark = pytest.mark.vllm

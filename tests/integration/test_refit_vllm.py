@@ -1,6 +1,6 @@
 """Verified refits on the real vLLM CPU engine for every draft kind: after a publication through either CPU
 transport each rollout worker reads its draft back from the engine (`DraftWeightExtension.draft_fingerprints`)
-and the sync compares it with what the learner sent (`opd/refit.py`). A correct refit passes and the engine then
+and the sync compares it with what the learner sent (`sync/refit.py`). A correct refit passes and the engine then
 serves other weights; a tensor altered after the checksum, or a receiver on another version, stops with a
 one-line `RefitError` naming the receiver and the version. The replay actor's draft copy (redraft) is checked
 the same way.
@@ -55,6 +55,7 @@ def ray_local() -> Any:
 def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_path_factory: Any) -> Any:
     """(kind, worker actor, draft folder, the learner's state of the draft) for one kind."""
     from draft_opd_ray.opd.students import make_student
+
     from draft_opd_ray.rollout.worker import RolloutWorker
 
     kind = request.param
@@ -74,7 +75,7 @@ def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_
 
 
 def _make(transport: str, receivers: list[Any]) -> Any:
-    from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
+    from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     return SharedFileWeightSync(receivers) if transport == "shm_file" else ObjectStoreWeightSync(receivers)
 
@@ -125,7 +126,7 @@ def test_tensor_altered_after_the_checksum_is_refused(case: Any, transport: str)
 def test_wrong_version_is_refused(case: Any) -> None:
     import ray
 
-    from draft_opd_ray.opd.refit import check_ack
+    from draft_opd_ray.sync.refit import check_ack
 
     _, worker, _, state = case
     sync = _make("shm_file", [worker])
@@ -144,9 +145,10 @@ def test_wrong_version_is_refused(case: Any) -> None:
 
 def test_replay_draft_copy_is_checked(case: Any, tiny_target: Path) -> None:
     """redraft: the replay actor is a receiver too; its copy's fingerprints follow the same check."""
-    from draft_opd_ray.opd.refit import check_ack, fingerprints
-    from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.opd.students import replay_needs
+
+    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.sync.refit import check_ack, fingerprints
 
     kind, _, draft, state = case
     feats, ids = replay_needs(kind, str(draft), str(tiny_target))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.batch import ReplayItem, TeacherSummary
+from draft_opd_ray.wire import ReplayItem, TeacherSummary
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -28,10 +28,10 @@ def ray_local() -> Iterator[None]:
 
 def _groups(case: Any) -> tuple[Any, Any]:
     import ray
-
-    from draft_opd_ray.opd.actors import LearnerGroup, ReplayGroup, start_learner_ranks
-    from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.opd.students import replay_needs
+
+    from draft_opd_ray.loop.actors import LearnerGroup, ReplayGroup, start_learner_ranks
+    from draft_opd_ray.opd.replay import ReplayActor
 
     feats, ids = replay_needs("eagle3", str(case.eagle3), str(case.target))
     actor = (
@@ -62,7 +62,7 @@ def _groups(case: Any) -> tuple[Any, Any]:
 def test_learner_ranks_fetch_the_items_the_driver_holds_references(ray_local: None, replay_case: Any) -> None:
     import ray
 
-    from draft_opd_ray.opd.batch import TeacherItem
+    from draft_opd_ray.wire import TeacherItem
 
     it = replay_case.item
     items = [

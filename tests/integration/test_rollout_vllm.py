@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
-from draft_opd_ray.rollout.records import consistency_error, tau, tau_vllm
+from draft_opd_ray.rollout.records import tau, tau_vllm
+from draft_opd_ray.wire import consistency_error
 from tests.helpers import chat_prompt_ids, perturbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
@@ -125,7 +126,7 @@ def test_weight_update_changes_tau_and_returns(models, worker, transport: str) -
     import ray
     from safetensors.torch import load_file
 
-    from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
+    from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     _, draft, prompts = models
     original = load_file(str(draft / "model.safetensors"))

@@ -20,7 +20,7 @@ def _feed_order(takes: list[list[list[Any]]]) -> list[list[int]]:
 def test_a_step_takes_the_next_k_rounds_in_feed_order() -> None:
     import ray
 
-    from draft_opd_ray.opd.loop import _Rounds
+    from draft_opd_ray.loop.opd import _Rounds
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.batch import ReplayItem
+from draft_opd_ray.wire import ReplayItem
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -50,10 +50,10 @@ def _items(item: ReplayItem) -> list[ReplayItem]:
 
 def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
     import ray
-
-    from draft_opd_ray.opd.actors import LearnerGroup, ReplayGroup, start_learner_ranks
-    from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.opd.students import replay_needs
+
+    from draft_opd_ray.loop.actors import LearnerGroup, ReplayGroup, start_learner_ranks
+    from draft_opd_ray.opd.replay import ReplayActor
 
     feats, ids = replay_needs("eagle3", str(case.eagle3), str(case.target))
     actors = [

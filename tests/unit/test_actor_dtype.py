@@ -14,7 +14,7 @@ import torch
 
 import draft_opd_ray.device as device
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.opd import actors
+from draft_opd_ray.loop import actors
 from draft_opd_ray.placement import build_plan
 
 
@@ -49,6 +49,7 @@ def test_learner_ranks_resolve_auto_on_their_node(
     monkeypatch: pytest.MonkeyPatch, tiny_target: Path, tmp_path: Path
 ) -> None:
     from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+
     from draft_opd_ray.opd import learner as learner_mod
 
     cfg = _cfg()

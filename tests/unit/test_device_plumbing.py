@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draft_opd_ray.config.schema import LossConfig
-from draft_opd_ray.opd.batch import ReplayItem, TeacherItem, committed_blocks
+from draft_opd_ray.opd.batch import committed_blocks
+from draft_opd_ray.wire import ReplayItem, TeacherItem
 
 DEVICE = torch.device("meta")  # the accelerator's stand-in
 aten = torch.ops.aten
@@ -137,8 +138,9 @@ def test_the_stand_in_checks_devices_as_cuda_does() -> None:
 def _learner(draft: Path, target: Path, kind: str, estimator: str, objective: str) -> Any:
     """A `Learner` without its DeepSpeed engine (a unit test starts none): the student loaded on the CPU as
     `Learner.__init__` loads it; `_to_device` does what the rest of `__init__` and DeepSpeed do on a GPU."""
-    from draft_opd_ray.opd.learner import Learner
     from draft_opd_ray.opd.students import make_student
+
+    from draft_opd_ray.opd.learner import Learner
 
     learner = Learner.__new__(Learner)
     learner.student = make_student(kind, str(draft), str(target))

@@ -66,7 +66,7 @@ def test_draft_file_leaves_a_small_dev_shm(
 
     import torch
 
-    from draft_opd_ray.rollout import engine as engine_mod
+    from draft_opd_ray.sync import receiver as engine_mod
 
     real_statvfs = os.statvfs
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from draft_opd_ray.eval import evaluate as ev
-from draft_opd_ray.rollout.records import RequestRecord
+from draft_opd_ray.wire import RequestRecord
 
 
 class _Engine:

@@ -30,7 +30,8 @@ from draft_opd_ray.eval.stats import (
     t_quantile,
 )
 from draft_opd_ray.eval.tau import per_prompt, tau_stats
-from draft_opd_ray.rollout.records import RequestRecord, tau
+from draft_opd_ray.rollout.records import tau
+from draft_opd_ray.wire import RequestRecord
 from tests.helpers import synth
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from draft_opd_ray.models.kinds import KINDS, draft_kind
 
 import draft_opd_ray
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.config.store import compose
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models.kinds import KINDS, draft_kind
 from draft_opd_ray.rollout.engine import speculative_config
 
 PACKAGE = Path(draft_opd_ray.__file__).resolve().parent
@@ -77,8 +77,8 @@ def test_a_draft_round_trips_through_the_table_and_drafts(
 
     from transformers import AutoModelForCausalLM
 
-    from draft_opd_ray.rollout.records import consistency_error
     from draft_opd_ray.rollout.reference import speculative_generate, target_generate
+    from draft_opd_ray.wire import consistency_error
 
     k = draft_kind(name)
     folder = _draft(name, tiny_target, tmp_path / "a")

@@ -1,4 +1,4 @@
-"""Which weight transport a placement allows (`opd/nccl_sync.py`): NCCL refuses two ranks on one GPU, so where
+"""Which weight transport a placement allows (`sync/nccl.py`): NCCL refuses two ranks on one GPU, so where
 the plan puts the learner's rank 0 (the sender) on a GPU an engine also uses (`+cluster=gpu_shared`) `auto` takes
 a file transport and an explicit `nccl` is refused at validation, before anything loads. No Ray, no vLLM.
 The sync's bookkeeping with Ray actors: tests/integration/test_nccl_sync.py."""
@@ -12,9 +12,9 @@ import pytest
 from draft_opd_ray.config.store import compose
 from draft_opd_ray.config.validate import plan_for, validate
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.opd.loop import make_weight_sync
-from draft_opd_ray.opd.nccl_sync import plan_weight_sync, sender_shared_gpu
-from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
+from draft_opd_ray.loop.opd import make_weight_sync
+from draft_opd_ray.sync.nccl import plan_weight_sync, sender_shared_gpu
+from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 from tests import helpers
 
 SHARED = "learner rank 0 and rollout engine 0 on GPU 0 of node 0"

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from draft_opd_ray.config.schema import AnchorConfig, Config, LossConfig, ReplayConfig
+from draft_opd_ray.loop.opd import replay_items, take_rounds
 from draft_opd_ray.opd.learner import split_mini_batches
-from draft_opd_ray.opd.loop import replay_items, take_rounds
-from draft_opd_ray.rollout.records import RequestRecord, consistency_error
+from draft_opd_ray.wire import RequestRecord, consistency_error
 from tests.helpers import synth
 
 BIG = 10**6
@@ -133,7 +133,7 @@ def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
 
 
 def test_sft_on_rollouts_items_are_the_committed_continuations() -> None:
-    from draft_opd_ray.opd.loop import committed_items
+    from draft_opd_ray.loop.opd import committed_items
 
     rec = synth(random.Random(3), k=4, steps=5)
     c = dataclasses.replace(Config(), loss=LossConfig(objective="sft_on_rollouts"))
@@ -149,7 +149,8 @@ def test_sft_on_rollouts_items_are_the_committed_continuations() -> None:
 def test_committed_blocks_by_brute_force() -> None:
     import torch
 
-    from draft_opd_ray.opd.batch import TeacherItem, committed_blocks
+    from draft_opd_ray.opd.batch import committed_blocks
+    from draft_opd_ray.wire import TeacherItem
 
     seq = list(range(100, 120))
     anchors, acc, valid = [3, 10, 17, 18], [0, 2, 4, 1], [4, 4, 2, 1]
@@ -177,7 +178,7 @@ def test_non_finite_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_pat
     from draft_opd_ray.checkpoint import write_checkpoint
     from draft_opd_ray.config.schema import OPDConfig
     from draft_opd_ray.errors import RunError
-    from draft_opd_ray.opd.loop import _count_nonfinite, _LoopState
+    from draft_opd_ray.loop.opd import _count_nonfinite, _LoopState
 
     c = dataclasses.replace(Config(), opd=OPDConfig(max_nonfinite_steps=2))
     state = _LoopState(version=5)
@@ -199,7 +200,7 @@ def test_non_finite_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_pat
 
 def test_the_drafts_own_top_m_is_used_by_draft_opd_only_and_makes_the_replay_a_weight_receiver() -> None:
     from draft_opd_ray.config.schema import Config
-    from draft_opd_ray.opd.actors import replay_draft_topm, replay_holds_draft
+    from draft_opd_ray.loop.actors import replay_draft_topm, replay_holds_draft
 
     cfg = Config()
     assert cfg.loss.draft_topm == 16 and replay_draft_topm(cfg) == 16 and replay_holds_draft(cfg)

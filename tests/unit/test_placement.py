@@ -118,7 +118,7 @@ def test_cpu_threads_of_replay_and_learner() -> None:
     """`cluster.cpu_threads=auto`: a replay actor keeps off the cores its node's engines are bound to, a learner
     rank takes them all, each split between the actors of its role on the node; `one` and GPU clusters: None."""
     from draft_opd_ray.device import node_threads
-    from draft_opd_ray.opd.actors import cpu_share
+    from draft_opd_ray.loop.actors import cpu_share
 
     cfg = compose([])
     plan = plan_for(cfg)

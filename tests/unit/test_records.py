@@ -5,14 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from draft_opd_ray.rollout.records import (
-    RequestRecord,
-    acceptance_per_position,
-    consistency_error,
-    read_parquet,
-    tau,
-    write_parquet,
-)
+from draft_opd_ray.rollout.records import acceptance_per_position, read_parquet, tau, write_parquet
+from draft_opd_ray.wire import RequestRecord, consistency_error
 from tests.helpers import synth
 
 

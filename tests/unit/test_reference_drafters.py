@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-
 from draft_opd_ray.models.dflash import DFlashConfig, DFlashDraft
 from draft_opd_ray.models.eagle3 import Eagle3Config, Eagle3Draft
 from draft_opd_ray.rollout.drafters import DFlashDrafter, Eagle3Drafter
-from draft_opd_ray.rollout.records import consistency_error
+from transformers import LlamaForCausalLM
+
 from draft_opd_ray.rollout.reference import (
     CausalLMDrafter,
     FeatureDrafter,
     speculative_generate,
     target_generate,
 )
+from draft_opd_ray.wire import consistency_error
 from tests.helpers import fit_dflash, fit_eagle3, greedy_spec_decode, target_pass, tiny_lm
 
 K = 4

@@ -1,4 +1,4 @@
-"""The refit proof's arithmetic (`opd/refit.py`) and the NCCL transport's plan and selection (`opd/nccl_sync.py`):
+"""The refit proof's arithmetic (`sync/refit.py`) and the NCCL transport's plan and selection (`sync/nccl.py`):
 fingerprints that survive vLLM's layout changes and catch any changed value, the name mapping, the ack check's
 one-line errors. No vLLM, no Ray."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from draft_opd_ray.errors import ConfigError, RefitError
-from draft_opd_ray.opd.nccl_sync import nccl_plan, rank_offsets, require_cuda, weight_sync_kind
-from draft_opd_ray.opd.refit import (
+from draft_opd_ray.sync.nccl import nccl_plan, rank_offsets, require_cuda, weight_sync_kind
+from draft_opd_ray.sync.refit import (
     RefitAck,
     add,
     check_ack,

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from draft_opd_ray.opd.batch import ReplayItem, branch_mask, pack_branches, payload_bytes
 from draft_opd_ray.opd.replay import ReplayActor
+from draft_opd_ray.wire import ReplayItem, branch_mask, pack_branches, payload_bytes
 from tests.helpers import perturbed
 
 
@@ -179,7 +179,7 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
     cannot order: the same top-1, the same ids but for the tail, probabilities within bfloat16's resolution."""
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.device import resolve_dtype
-    from draft_opd_ray.opd.actors import replay_teacher
+    from draft_opd_ray.loop.actors import replay_teacher
     from draft_opd_ray.sft.features import forward_dtype, load_hf_target, target_features
 
     c, cfg = replay_case, Config()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import AnchorConfig, Config
-from draft_opd_ray.opd.actors import LearnerGroup, Scored
-from draft_opd_ray.opd.batch import TeacherItem, TeacherSummary, learner_cost, payload_bytes
+from draft_opd_ray.loop.actors import LearnerGroup, Scored
 from draft_opd_ray.opd.learner import split_by_anchors, split_mini_batches
 from draft_opd_ray.opd.replay import ReplayActor
+from draft_opd_ray.wire import TeacherItem, TeacherSummary, learner_cost, payload_bytes
 from tests.helpers import synth
 
 
@@ -102,7 +102,7 @@ def test_the_loop_hands_the_learner_references_and_summaries_not_tensors(
     """`_one_step` scores with `ReplayGroup.score_refs` and passes its `Scored` on to the learner ranks, and
     takes its metrics from the summaries (before: `score` fetched every TeacherItem to the driver, which then
     put them again for the learner ranks)."""
-    import draft_opd_ray.opd.loop as loop
+    import draft_opd_ray.loop.opd as loop
     from draft_opd_ray.metrics import MetricsLogger
 
     monkeypatch.setattr(loop, "wait_for", lambda ref, what, timeout=None: ref)  # stand-ins return values

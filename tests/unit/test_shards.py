@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from draft_opd_ray.opd.actors import merge_rank_rows
-from draft_opd_ray.opd.batch import ReplayItem, balanced_shards, replay_cost
+from draft_opd_ray.distributed import balanced_shards
+from draft_opd_ray.loop.actors import merge_rank_rows
+from draft_opd_ray.wire import ReplayItem, replay_cost
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -91,7 +91,7 @@ def test_every_stage_gets_every_stop_id_of_the_target(
 ) -> None:
     """The driver hands the target's stop ids to the sft stage, the Draft-OPD loop and eval."""
     import draft_opd_ray.eval.evaluate as ev
-    import draft_opd_ray.opd.loop as loop
+    import draft_opd_ray.loop.opd as loop
     import draft_opd_ray.sft.stage as stage
     from draft_opd_ray.driver import prepare_inputs, run_stages
 

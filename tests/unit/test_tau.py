@@ -7,7 +7,8 @@ import math
 import random
 
 from draft_opd_ray.eval.tau import measure, tau_stats
-from draft_opd_ray.rollout.records import RequestRecord, tau, tau_vllm
+from draft_opd_ray.rollout.records import tau, tau_vllm
+from draft_opd_ray.wire import RequestRecord
 from tests.helpers import synth
 
 

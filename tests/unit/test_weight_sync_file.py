@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_opd_ray.opd.weight_sync import write_safetensors
+from draft_opd_ray.sync.weight_sync import write_safetensors
 
 
 def _state(seed: int, rows: int) -> dict[str, torch.Tensor]:
@@ -58,7 +58,7 @@ def test_stale_slot_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path
     import subprocess
     import sys
 
-    from draft_opd_ray.opd.weight_sync import SLOT_PREFIX, SharedFileWeightSync, remove_stale_slots
+    from draft_opd_ray.sync.weight_sync import SLOT_PREFIX, SharedFileWeightSync, remove_stale_slots
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -6,7 +6,7 @@ receiver (a Ray actor method). Invariants:
 - a receiver applies a version whole, between two generation rounds (Ray serialises an actor's calls),
   never in the middle of a round, and tags every later record with it;
 - publication does not wait for receivers: rollouts keep generating; `wait()` is for shutdown and tests;
-- every applied version is proven (`opd/refit.py`): after its load each receiver reads back what it serves and
+- every applied version is proven (`sync/refit.py`): after its load each receiver reads back what it serves and
   returns a `RefitAck` (`refit_ack()`), which the sync checks against the fingerprints of what it sent when it
   reaps the acks (the next `publish`, `wait`, `close`); a wrong version or different values raise `RefitError`
   naming the receiver. The receivers' serving dtypes are read once, from an ack taken at construction.
@@ -18,7 +18,7 @@ Transports:
   applied the version they held; a new slot is made only while all others are still being read.
 - `ObjectStoreWeightSync` (multi-node): the state dict goes into Ray's object store once (shared memory on a
   node) and every receiver reads the same object, then writes its own file for its engine.
-- `NcclWeightSync` (`opd/nccl_sync.py`, GPU clusters): the learner's rank 0 broadcasts to every engine rank
+- `NcclWeightSync` (`sync/nccl.py`, GPU clusters): the learner's rank 0 broadcasts to every engine rank
   through vLLM's weight-transfer API.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from draft_opd_ray.opd.refit import Fingerprint, check_ack, fingerprints
+from draft_opd_ray.sync.refit import Fingerprint, check_ack, fingerprints
 from draft_opd_ray.waits import wait_for
 
 _DTYPES = {
@@ -161,7 +161,7 @@ class RefitChecks:
                             sent,
                         )
                 except _actor_died():
-                    continue  # killed: Ray restarts it and the loop gives it the current weights (opd/loop.py)
+                    continue  # killed: Ray restarts it and the loop gives it the current weights (loop/opd.py)
             n += 1
         return done, n
 

@@ -1,13 +1,13 @@
 """NCCL weight sync for GPU clusters: the learner's rank 0 broadcasts the draft straight into every engine rank.
 
-Behind the `WeightSync` interface (`opd/weight_sync.py`), with vLLM's weight-transfer API doing the receiving:
+Behind the `WeightSync` interface (`sync/weight_sync.py`), with vLLM's weight-transfer API doing the receiving:
 every rollout engine is started with `weight_transfer_config={"backend": "nccl"}`, joins one NCCL group with the
 learner (`init_weight_transfer_engine`: the learner is rank 0, engine e's tensor-parallel ranks follow the
 previous engines'), and takes a version as `start_draft_weight_update` -> `update_weights` (the receive side of
 the broadcast, loaded through the draft's own `load_weights` in vLLM's layerwise reload) ->
 `finish_weight_update`. The tensors go in checkpoint names (`Learner.rollout_state`), packed into vLLM's
 broadcast buffers; the plan (names, dtypes, shapes) travels by Ray. After each version the engines return the
-refit proof (`opd/refit.py`) like the file transports, checked when the sync reaps them. Receivers that are not
+refit proof (`sync/refit.py`) like the file transports, checked when the sync reaps them. Receivers that are not
 vLLM engines (the replay actor's draft copy in `replay.mode=redraft`) take the object-store path.
 
 A broadcast is a collective: the learner's send returns only once every engine has entered its receive, which an
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draft_opd_ray.errors import ConfigError, RunError
-from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, RefitChecks
+from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, RefitChecks
 from draft_opd_ray.waits import timeout_s, wait_for
 
 if TYPE_CHECKING:

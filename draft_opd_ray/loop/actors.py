@@ -17,16 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.distributed import balanced_shards
 from draft_opd_ray.errors import RunError
-from draft_opd_ray.opd.batch import (
-    ReplayItem,
-    TeacherItem,
-    TeacherSummary,
-    balanced_shards,
-    replay_cost,
-)
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, ActorSlot, PlacementPlan
 from draft_opd_ray.waits import wait_for, when_back
+from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, replay_cost
 
 Options = Callable[[str, int], dict[str, Any]]  # (role, rank) -> Ray actor options in that slot's bundle
 
@@ -264,8 +259,8 @@ def _rollout_workers(
 ) -> list[Any]:
     import ray
 
-    from draft_opd_ray.opd.nccl_sync import plan_weight_sync
     from draft_opd_ray.rollout.worker import RolloutWorker
+    from draft_opd_ray.sync.nccl import plan_weight_sync
 
     ncores = os.cpu_count() or 1
     c = cfg.cluster

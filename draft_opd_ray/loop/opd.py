@@ -24,14 +24,14 @@ from draft_opd_ray.checkpoint import clean_leftovers, latest_checkpoint, load_st
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import RunError
 from draft_opd_ray.flops import target_forward_flops
+from draft_opd_ray.loop.actors import Actors, LearnerGroup, replay_holds_draft, start_actors
 from draft_opd_ray.metrics import MetricsLogger
-from draft_opd_ray.opd.actors import Actors, LearnerGroup, replay_holds_draft, start_actors
-from draft_opd_ray.opd.batch import ReplayItem
-from draft_opd_ray.opd.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.placement import PlacementPlan, plan_for
 from draft_opd_ray.rollout.engine import Sampling
-from draft_opd_ray.rollout.records import RequestRecord, read_parquet, tau, write_parquet
+from draft_opd_ray.rollout.records import read_parquet, tau, write_parquet
+from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.waits import wait_for, when_back
+from draft_opd_ray.wire import ReplayItem, RequestRecord
 
 EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
@@ -88,11 +88,11 @@ def make_weight_sync(
     engines: Sequence[Any] | None = None,
     plan: PlacementPlan | None = None,
 ) -> WeightSync:
-    """rollout.weight_sync (`nccl_sync.plan_weight_sync`): auto = NCCL from the learner's rank 0 (``sender``)
+    """rollout.weight_sync (`sync.nccl.plan_weight_sync`): auto = NCCL from the learner's rank 0 (``sender``)
     into the vLLM ``engines`` on a GPU cluster where the sender has a GPU of its own in the placement ``plan``
     (default: the config's), else one shared-memory file per version on a single node, Ray's object store across
     nodes. Receivers: the rollout workers, and the replay actor when it holds a draft (`replay_holds_draft`)."""
-    from draft_opd_ray.opd.nccl_sync import NcclWeightSync, plan_weight_sync
+    from draft_opd_ray.sync.nccl import NcclWeightSync, plan_weight_sync
 
     kind = plan_weight_sync(cfg.rollout.weight_sync, plan or plan_for(cfg))
     if kind == "nccl":

@@ -1,0 +1,243 @@
+"""The wire contracts between the roles: what one role hands another, typed and documented once (torch only).
+
+    RequestRecord   rollout worker -> driver: one request's anchor records (below; Parquet I/O and τ in
+                    `rollout/records.py`)
+    ReplayItem      driver -> replay actor: one committed sequence and its selected anchors (recorded blocks)
+    TeacherItem     replay actor -> learner: the same sequence scored by the target (features, teacher log-probs,
+                    acceptance recomputed), in the draft's vocabulary; it goes from the replay actor's node to
+                    the learner rank's as an object reference
+    TeacherSummary  replay actor -> driver: its sizes and agreement counts, no tensors
+    PackedBranches  the committed sequence and every anchor's rejected branch in one forward (`pack_branches`):
+                    the layout the replay's target forward and the student's forward share
+
+Positions are indices into the committed sequence x = prompt + response (docs/design.md, "Records"): anchor n is
+the last committed token before a block, block position k = 1..K has context x_{<=n} y_{<k}.
+
+Anchor records. Verification step i drafted `drafted[i]` (K' <= K ids) after the committed token at
+`anchor_pos[i]`, and the target accepted the first `accepted[i]` of them, committing `accepted[i] + 1` tokens (the
+accepted ones plus a correction or bonus token). The first response token comes from prefill and belongs to no
+step, so for a request that ran to completion
+
+    len(response_ids) == 1 + sum(accepted[i] + 1)              (minus what the length cap or a stop cut off)
+    anchor_pos[0] == len(prompt_ids),  anchor_pos[i+1] == anchor_pos[i] + accepted[i] + 1.
+
+This module is the bottom floor of the roles: it imports no other module of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# ------------------------------------------------------------------------------------------ rollout -> driver
+
+
+@dataclass
+class RequestRecord:
+    """One request's rollout: its prompt, its response and a record of every verification step."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    anchor_pos: list[int] = field(default_factory=list)
+    drafted: list[list[int]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
+    # target log-prob of each drafted token given the drafted prefix; empty lists where unknown
+    teacher_logprob_drafted: list[list[float]] = field(default_factory=list)
+    request_id: str = ""
+    finish_reason: str = ""  # "length" | "stop" | "abort" | "error" | ""
+    error: str = ""  # why the request was not run (empty prompt, too long, ...)
+    # vLLM's own per-request spec-decode counters for the same request (-1 when not from vLLM)
+    vllm_steps: int = -1
+    vllm_accepted: int = -1
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted)
+
+    def committed_by_steps(self) -> int:
+        """Response tokens the steps account for, prefill token included."""
+        return 1 + sum(a + 1 for a in self.accepted) if self.response_ids else 0
+
+
+def consistency_error(rec: RequestRecord) -> str | None:
+    """Why a record breaks the invariants in the module docstring, or None if it is consistent."""
+    n = len(rec.accepted)
+    if not (len(rec.anchor_pos) == len(rec.drafted) == len(rec.policy_version) == n):
+        return (
+            f"per-step lists differ in length: anchor_pos {len(rec.anchor_pos)}, drafted {len(rec.drafted)}, "
+            f"accepted {n}, policy_version {len(rec.policy_version)}"
+        )
+    for i, (a, d) in enumerate(zip(rec.accepted, rec.drafted)):
+        if not 0 <= a <= len(d):
+            return f"step {i}: accepted {a} outside [0, {len(d)}]"
+    pos = len(rec.prompt_ids)
+    for i, (p, a) in enumerate(zip(rec.anchor_pos, rec.accepted)):
+        if p != pos:
+            return f"step {i}: anchor_pos {p}, expected {pos}"
+        pos += a + 1
+    full = rec.committed_by_steps()
+    got = len(rec.response_ids)
+    if got > full or (got < full and rec.finish_reason not in ("length", "stop")):
+        return f"response has {got} tokens but the steps commit {full} (finish_reason {rec.finish_reason!r})"
+    seq = rec.prompt_ids + rec.response_ids
+    for i, (p, a, d) in enumerate(zip(rec.anchor_pos, rec.accepted, rec.drafted)):
+        if seq[p + 1 : p + 1 + a] != d[:a][: max(0, len(seq) - p - 1)]:
+            return f"step {i}: accepted drafted ids {d[:a]} differ from the committed tokens"
+    return None
+
+
+# -------------------------------------------------------------------------------- driver -> replay -> learner
+
+
+@dataclass
+class ReplayItem:
+    """One committed sequence and its selected anchors (recorded blocks)."""
+
+    input_ids: list[int]  # prompt + response, committed tokens
+    anchor_pos: list[int]  # (N,) index of the last committed token before each block
+    drafted: list[list[int]]  # (N, K') recorded drafted target ids
+    accepted: list[int]  # (N,) recorded acceptance
+    policy_version: int
+
+
+@dataclass
+class TeacherItem:
+    input_ids: torch.Tensor  # (T,) long
+    # (T, A*H) target aux hidden states (HF hidden_states[i], i in aux ids), in the target's precision
+    features: torch.Tensor
+    anchor_pos: torch.Tensor  # (N,) long
+    drafted: torch.Tensor  # (N, K) long, right-padded with 0
+    valid_len: torch.Tensor  # (N,) long, K' <= K positions that have a teacher
+    accepted: torch.Tensor  # (N,) long, recorded acceptance (clipped to valid_len)
+    replay_accepted: torch.Tensor  # (N,) long, greedy acceptance recomputed by the teacher
+    teacher_logprobs: torch.Tensor | None  # (N, K, Vd) log p_k over the draft vocabulary (payload "full")
+    policy_version: int
+    teacher_topk_ids: torch.Tensor | None = (
+        None  # (N, K, k) draft-vocabulary ids of p_k's top k (payload "topk")
+    )
+    teacher_topk_logprobs: torch.Tensor | None = None  # (N, K, k) their log-probs
+    # the draft's own top-m ids at every block position (`loss.draft_topm`) and the teacher's log-probs there
+    draft_topm_ids: torch.Tensor | None = None  # (N, K, m) draft-vocabulary ids
+    teacher_logprobs_at_draft: torch.Tensor | None = None  # (N, K, m)
+    replay_draft_flops: float = 0.0  # the replay's draft forward that found draft_topm_ids (training compute)
+
+    def to(self, device: torch.device | str) -> TeacherItem:
+        """The same item with every tensor on ``device`` (a no-op where they already are)."""
+        moved: dict[str, Any] = {
+            f.name: v.to(device) if isinstance(v, torch.Tensor) else v
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return TeacherItem(**moved)
+
+    def scored_tokens(self) -> int:
+        """Tokens the replay forward scored: the sequence plus every anchor's branch (what a replay actor's or
+        learner rank's share is balanced by)."""
+        branch = (self.valid_len - self.accepted - 1).clamp(min=0)
+        return int(len(self.input_ids) + branch.sum())
+
+
+@dataclass(frozen=True)
+class TeacherSummary:
+    """What the driver needs of one scored sequence, without its tensors: the sizes it shards the learner's
+    mini-batches by and the step's metrics. The `TeacherItem` itself stays in the object store of the replay
+    actor's node until a learner rank fetches it (`ReplayGroup.score_refs`)."""
+
+    anchors: int  # N
+    learner_cost: int  # `learner_cost`
+    scored_tokens: int  # `TeacherItem.scored_tokens`
+    target_ran: bool  # the replay ran the target (not for a standalone draft's sft_on_rollouts)
+    agree: int  # anchors whose greedy acceptance under replay equals the recorded one
+    payload_bytes: int  # `payload_bytes`
+    draft_flops: float = 0.0  # `TeacherItem.replay_draft_flops`
+
+    @staticmethod
+    def of(t: TeacherItem) -> TeacherSummary:
+        ran = t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
+        agree = int((t.accepted == t.replay_accepted).sum())
+        return TeacherSummary(
+            len(t.anchor_pos),
+            learner_cost(t),
+            t.scored_tokens(),
+            ran,
+            agree,
+            payload_bytes(t),
+            t.replay_draft_flops,
+        )
+
+
+def payload_bytes(t: TeacherItem) -> int:
+    """What one scored sequence ships to the learner (features + teacher)."""
+    parts = [
+        t.features,
+        t.teacher_logprobs,
+        t.teacher_topk_ids,
+        t.teacher_topk_logprobs,
+        t.draft_topm_ids,
+        t.teacher_logprobs_at_draft,
+    ]
+    return sum(x.numel() * x.element_size() for x in parts if x is not None)
+
+
+def replay_cost(it: ReplayItem) -> int:
+    """Tokens the replay forward of ``it`` scores: the sequence plus every anchor's rejected branch."""
+    branch = sum(max(0, len(y) - a - 1) for y, a in zip(it.drafted, it.accepted))
+    return len(it.input_ids) + branch
+
+
+def learner_cost(t: TeacherItem) -> int:
+    """The student's work on one sequence: its block positions (plus the sequence the features cover)."""
+    return int(t.valid_len.sum()) + len(t.input_ids)
+
+
+# ---------------------------------------------------------------------------------- the packed replay forward
+
+
+@dataclass
+class PackedBranches:
+    """The committed sequence followed by every anchor's rejected branch, scored in ONE forward."""
+
+    input_ids: torch.Tensor  # (T + B,)
+    position_ids: torch.Tensor  # (T + B,)
+    mask: torch.Tensor  # (T + B, T + B) additive: 0 where attention is allowed, -inf elsewhere
+    rows: list[torch.Tensor]  # per anchor: the logit rows that are its teacher positions k = 1..valid
+
+
+def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
+    """Block position k of anchor (n, y, a) has context x_{<=n} y_{<k}. For k <= a+1 that is the committed
+    stream (row n+k-1). For k >= a+2 the context contains the rejected y_{a+1}: those rows are a branch
+    y_{a+1}..y_{K'-1} appended after the stream at positions n+a+1.., attending to x_{<=n+a} and to the earlier
+    tokens of its own branch only (a tree mask, as in tree-attention verification)."""
+    T = len(it.input_ids)
+    ids, pos, rows = list(it.input_ids), list(range(T)), []
+    spans: list[tuple[int, int, int]] = []  # (first packed index, length, prefix end n+a inclusive)
+    for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
+        kk = min(len(y), k)
+        on_stream = max(0, min(a + 1, kk, T - n))
+        r = list(range(n, n + on_stream))
+        if on_stream == a + 1 and a + 1 < kk:
+            start = len(ids)
+            branch = list(y[a : kk - 1])
+            ids += branch
+            pos += list(range(n + a + 1, n + kk))
+            spans.append((start, len(branch), n + a))
+            r += list(range(start, start + len(branch)))
+        rows.append(torch.tensor(r, dtype=torch.long))
+    return PackedBranches(torch.tensor(ids), torch.tensor(pos), branch_mask(len(ids), T, spans), rows)
+
+
+def branch_mask(length: int, stream_len: int, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """(L, L) additive tree mask: causal over the first ``stream_len`` tokens (the committed stream); each span
+    (first packed index, length, last stream position it sees) attends to the stream up to and including that
+    position and causally to itself, never to another span."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[stream_len:, :] = False
+    for start, n, last in spans:
+        allowed[start : start + n, : last + 1] = True
+        allowed[start : start + n, start : start + n] = torch.ones(n, n).tril().bool()
+    return torch.zeros(length, length).masked_fill(~allowed, float("-inf"))
