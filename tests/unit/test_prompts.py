@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from draft_opd_ray.config.schema import PromptSetConfig
 from draft_opd_ray.data import prompts as P
 from draft_opd_ray.errors import DataError
 
@@ -20,19 +22,9 @@ TEMPLATE = (
 WORDS = ["<unk>", "<s>", "</s>", "user", "system", "assistant", ":", "hello", "world", "be", "brief"]
 
 
-@dataclass
-class Cfg:
-    """Mirror of the prompt-set config dataclass (duck-typed by the loader)."""
-
-    source: str = "jsonl"
-    path: str | None = None
-    text_field: str = "prompt"
-    messages_field: str | None = None
-    split: str = "all"
-    eval_fraction: float = 0.05
-    max_prompts: int = 0
-    max_prompt_tokens: int = 100_000
-    seed: int = 0
+def Cfg(**kw: Any) -> PromptSetConfig:
+    """A prompt-set config with these tests' defaults: a JSONL file, no cap on prompts or their length."""
+    return PromptSetConfig(**{"source": "jsonl", "max_prompts": 0, "max_prompt_tokens": 100_000, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,7 @@ def write_jsonl(path: Path, rows: list) -> str:
     return str(path)
 
 
-def raw(cfg: Cfg) -> tuple[list, dict]:
+def raw(cfg: PromptSetConfig) -> tuple[list, dict]:
     skipped: dict[str, int] = {}
     return list(P.iter_raw_prompts(cfg, skipped=skipped)), skipped
 
