@@ -236,6 +236,7 @@ def scan_prompt_file(cfg: PromptSetConfig, key: str = "data") -> int:
 
 
 def _iter_rows(cfg: PromptSetConfig, source: str, key: str) -> Iterator[tuple[int, Any]]:
+    assert cfg.path is not None  # check_prompt_source ran first
     if source == "jsonl":
         try:
             for n, line in _read_jsonl(cfg.path):
