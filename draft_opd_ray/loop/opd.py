@@ -31,7 +31,7 @@ from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import read_parquet, tau, write_parquet
 from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync, WeightSync
 from draft_opd_ray.waits import wait_for, when_back
-from draft_opd_ray.wire import ReplayItem, RequestRecord
+from draft_opd_ray.wire import ReplayItem, RequestRecord, TeacherSummary
 
 EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
@@ -411,6 +411,47 @@ def _resume_actors(
     return sync
 
 
+def _take_records(
+    cfg: Config, actors: Actors, rounds: _Rounds, state: _LoopState
+) -> tuple[list[RequestRecord], int]:
+    """The records of the rounds taken for a step (waiting until one has a usable record; stale rounds dropped
+    and counted), and how many versions behind the oldest kept block is."""
+    records: list[RequestRecord] = []
+    behind = 0
+    empty = 0
+    while not records:
+        got = rounds.take(cfg.opd.rounds_per_step or len(actors.workers))
+        records, d, behind = take_rounds(got, state.version, cfg.async_.max_staleness)
+        state.dropped += d
+        empty += 0 if records or d else len(got)
+        if empty >= EMPTY_ROUNDS_LIMIT * len(actors.workers):
+            raise RunError(
+                f"opd: {empty} rollout rounds in a row gave no usable record (no speculative step: every "
+                f"request failed or ended before the first verification, rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}); raise rollout.max_new_tokens or check the rollout workers' log"
+            )
+    return records, behind
+
+
+def _add_flops(
+    flops: dict[str, float],
+    learner_draft: float,
+    summaries: Sequence[TeacherSummary],
+    records: Sequence[RequestRecord],
+    info: Any,
+    cfg: Config,
+) -> None:
+    """A step's training compute added to the run's totals: the draft's (the learner's forward + backward, and the
+    replay's draft forward where it finds the draft's own top-m), the replay's target forwards, the rollouts'."""
+    flops["flops_draft"] += learner_draft + sum(t.draft_flops for t in summaries)
+    flops["flops_target"] += sum(
+        target_forward_flops(info, 1, t.scored_tokens) for t in summaries if t.target_ran
+    )
+    flops["flops_rollout"] += sum(
+        rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
+    )
+
+
 def _one_step(
     cfg: Config,
     actors: Actors,
@@ -426,20 +467,7 @@ def _one_step(
     """Take rounds, write their records, replay the anchors, step the learner ranks, publish, log the row."""
 
     t0 = time.time()
-    records: list[RequestRecord] = []
-    behind = 0
-    empty = 0
-    while not records:
-        got = rounds.take(cfg.opd.rounds_per_step or len(actors.workers))
-        records, d, behind = take_rounds(got, state.version, cfg.async_.max_staleness)
-        state.dropped += d
-        empty += 0 if records or d else len(got)
-        if empty >= EMPTY_ROUNDS_LIMIT * len(actors.workers):
-            raise RunError(
-                f"opd: {empty} rollout rounds in a row gave no usable record (no speculative step: every "
-                f"request failed or ended before the first verification, rollout.max_new_tokens="
-                f"{cfg.rollout.max_new_tokens}); raise rollout.max_new_tokens or check the rollout workers' log"
-            )
+    records, behind = _take_records(cfg, actors, rounds, state)
     t_roll = time.time() - t0
     write_parquet(records, run_dir / "anchors" / f"step_{step:05d}.parquet")
     items = replay_items(records, cfg, seed=cfg.anchor.seed + step)
@@ -466,14 +494,7 @@ def _one_step(
         return None
     state.nonfinite_run = 0
     summaries = scored.summaries
-    # the learner's forward + backward, and the replay's draft forward where it finds the draft's own top-m
-    flops["flops_draft"] += float(out.pop("flops_draft_step", 0.0)) + sum(t.draft_flops for t in summaries)
-    flops["flops_target"] += sum(
-        target_forward_flops(info, 1, t.scored_tokens) for t in summaries if t.target_ran
-    )
-    flops["flops_rollout"] += sum(
-        rollout_target_flops(info, r, cfg.draft.num_speculative_tokens) for r in records
-    )
+    _add_flops(flops, float(out.pop("flops_draft_step", 0.0)), summaries, records, info, cfg)
     state.version += 1
     weights = wait_for(
         actors.learner.rank0.rollout_state.remote(), f"learner rank 0: weights of step {step + 1}"
