@@ -201,7 +201,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import psutil
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from transformers import AutoTokenizer
 
     from draft_opd_ray.config.schema import PromptSetConfig

@@ -55,7 +55,7 @@ def main() -> None:
     add_result_args(ap)
     args = ap.parse_args()
 
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
 
     from draft_opd_ray.cache import default_cache_dir
     from draft_opd_ray.config.schema import Config

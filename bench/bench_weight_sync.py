@@ -164,7 +164,7 @@ def main() -> None:
 
     import ray
     import torch
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 

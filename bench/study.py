@@ -431,7 +431,7 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
     pass; greedy rollouts commit the target's own tokens whatever the draft, so the opd arm's rollouts of the same
     seed's prompts are the control's. Epochs = (opd FLOPs - the target forwards) / one pass, rounded."""
     import torch
-    from draft_opd_ray.opd.students import make_student
+    from draft_opd_ray.drafts.registry import draft_kind
 
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.flops import target_forward_flops
@@ -443,7 +443,7 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
 
     target = str(ensure_embedded_target())
     k = Config().draft.num_speculative_tokens
-    student, info = make_student(kind, str(branch), target), read_target_info(target)
+    student, info = draft_kind(kind).student(str(branch), target), read_target_info(target)
     records = [r for f in sorted((opd_run / "anchors").glob("*.parquet")) for r in read_parquet(f)]
     per_pass = once = 0.0
     for it in committed_items(records, k):

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draft_opd_ray.config.schema import Config, PromptSetConfig
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.metrics import MetricsLogger
-from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan
 
 if TYPE_CHECKING:
@@ -46,9 +46,10 @@ def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     target = resolve_target_path(cfg.target.path, cache)
     info = read_target_info(target)
-    kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
+    kind = draft_kind(cfg.draft.kind)
+    kind.check_fits(cfg.draft, info.num_layers, info.vocab_size)
     if cfg.draft.path is not None:
-        kinds.check_draft_matches_target(target, cfg.draft.path, cfg.draft.kind)
+        kind.check_folder(target, cfg.draft.path)
     return str(target), AutoTokenizer.from_pretrained(target), info
 
 
@@ -104,7 +105,7 @@ def opd_prompts(cfg: Config, train: list[list[int]]) -> list[list[int]]:
 
 def initial_draft(cfg: Config, target: str, run_dir: Path) -> str:
     """A draft to start from when no SFT stage ran and no draft.path was given: a fresh one (EAGLE-3 only)."""
-    kind = kinds.draft_kind(cfg.draft.kind)
+    kind = draft_kind(cfg.draft.kind)
     out = run_dir / "draft_init"
     kind.save(kind.fresh(target, cfg.draft, cfg.seed), out, target)
     return str(out)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from draft_opd_ray.models.eagle3 import Eagle3Config
+    from draft_opd_ray.drafts.eagle3.model import Eagle3Config
     from draft_opd_ray.models.target import TargetInfo
 
 
@@ -36,7 +36,7 @@ class Flops:
 def eagle3_train_flops(
     c: Eagle3Config, batch: int, seq_len: int, ttt_steps: int, *, lm_head_trainable: bool = False
 ) -> Flops:
-    """One TTT forward + backward of :class:`~draft_opd_ray.models.eagle3.Eagle3Draft` on a (batch, seq_len)
+    """One TTT forward + backward of :class:`~draft_opd_ray.drafts.eagle3.model.Eagle3Draft` on a (batch, seq_len)
     batch. Each of the ``ttt_steps`` passes runs the decoder layer and the LM head over every row; step 0 also
     runs ``fc``; every pass's queries attend to all seq_len step-0 keys (plus diagonal keys, elementwise)."""
     rows = batch * seq_len

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from draft_opd_ray.models.kinds import draft_kind
+from draft_opd_ray.drafts.registry import draft_kind
 
 LR_FLOOR = 0.1  # the cosine ends at this fraction of the peak
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_opd_ray.config.schema import ClusterConfig, Config
+from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models import kinds
 
 ROLLOUT, REPLAY, LEARNER, DRIVER = "rollout", "replay", "learner", "driver"
 
@@ -142,7 +142,7 @@ def build_plan(c: ClusterConfig, *, draft_kind: str, zero_stage: int) -> Placeme
         + [(LEARNER, i, 1, c.cpus_per_learner, c.gpus_per_learner) for i in range(learner_ranks)]
         + [(DRIVER, 0, 0, c.cpus_for_driver, 1.0)]
     )
-    features = kinds.draft_kind(draft_kind).feature_conditioned
+    features = registry.draft_kind(draft_kind).feature_conditioned
     holds = {
         ROLLOUT: f"vLLM engine: target + {draft_kind} draft (TP {rollout_tensor_parallel if gpu else 1})",
         REPLAY: f"target (teacher log-probs{', features' if features else ''}) + draft copy",

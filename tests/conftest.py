@@ -71,8 +71,8 @@ class ReplayCase:
 
     def draft(self, kind: str, out: Path, num_layers: int = 1) -> Path:
         """A draft folder of ``kind`` for the tiny target (the EAGLE-3 head of the case, or a new one)."""
-        from draft_opd_ray.models.dflash import init_dflash, save_dflash
-        from draft_opd_ray.models.standalone import build_standalone_from_target
+        from draft_opd_ray.drafts.dflash.model import init_dflash, save_dflash
+        from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
 
         if kind == "eagle3":
             return self.eagle3
@@ -83,20 +83,19 @@ class ReplayCase:
         )
 
     def replay(self, kind: str, draft: Path, **kwargs: Any) -> Any:
-        """A replay actor shipping what ``kind``'s student needs (`replay_needs`: features, vocabulary)."""
-        from draft_opd_ray.opd.students import replay_needs
-
+        """A replay actor shipping what ``kind``'s student needs (`DraftKind.replay_needs`: features, vocabulary)."""
+        from draft_opd_ray.drafts.registry import draft_kind
         from draft_opd_ray.opd.replay import ReplayActor
 
-        feats, ids = replay_needs(kind, str(draft), str(self.target))
+        feats, ids = draft_kind(kind).replay_needs(str(draft), str(self.target))
         return ReplayActor(str(self.target), aux_layer_ids=feats, draft_ids=ids, k=self.k, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def replay_case(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> ReplayCase:
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
     from transformers import AutoModelForCausalLM
 
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
     from draft_opd_ray.rollout.reference import target_generate
 
     draft = save_eagle3(

@@ -124,7 +124,7 @@ def tiny_lm(vocab: int, seed: int, hidden: int = 32, layers: int = 2) -> Any:
 @torch.no_grad()
 def target_pass(target: Any, seqs: Sequence[list[int]], prompt_lens: Sequence[int]) -> dict[str, Any]:
     """Right-padded ids/mask, response loss mask, every HF hidden state and the logits of the target."""
-    from draft_opd_ray.rollout.reference import right_pad
+    from draft_opd_ray.drafts.drafter import right_pad
 
     ids, mask = right_pad(seqs)
     loss_mask = torch.zeros_like(mask)
@@ -152,7 +152,7 @@ def _fit(draft: Any, steps: int, lr: float, loss: Callable[[], torch.Tensor]) ->
 
 def fit_eagle3(draft: Any, batch: dict[str, Any], steps: int, lr: float) -> Any:
     """An EAGLE-3 head fitted for a few TTT steps to the target's pass (so that it accepts sometimes)."""
-    from draft_opd_ray.models.eagle3 import eagle3_ttt_loss
+    from draft_opd_ray.drafts.eagle3.model import eagle3_ttt_loss
 
     feats = torch.cat([batch["hidden"][i] for i in draft.hidden_state_indices], dim=-1)
     ids, logits, loss_mask, mask = batch["ids"], batch["logits"], batch["loss_mask"], batch["mask"]
@@ -166,7 +166,7 @@ def fit_eagle3(draft: Any, batch: dict[str, Any], steps: int, lr: float) -> Any:
 
 def fit_dflash(draft: Any, batch: dict[str, Any], steps: int, lr: float, anchors: int) -> Any:
     """A DFlash drafter fitted for a few steps of its SFT loss at random anchors of the target's answers."""
-    from draft_opd_ray.sft.recipes import dflash_sft_loss, sample_anchors
+    from draft_opd_ray.drafts.dflash.recipe import dflash_sft_loss, sample_anchors
 
     feats = torch.cat([batch["hidden"][i] for i in draft.hidden_state_indices], dim=-1)
     g = torch.Generator().manual_seed(0)

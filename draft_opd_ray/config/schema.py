@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models.kinds import KINDS
 
 # loss.objective: Draft-OPD, and the two controls that train on the same rollouts without replaying drafted blocks
 OBJECTIVES = ("opd", "sft_on_rollouts", "sft_on_rollouts_soft")
@@ -118,7 +117,7 @@ DEFAULT_DRAFT_VOCAB = 8192
 class DraftConfig:
     """The draft model. Kind-specific fields are ignored by the other kinds."""
 
-    kind: str = "eagle3"  # eagle3 | standalone | dflash (models/kinds.py)
+    kind: str = "eagle3"  # eagle3 | standalone | dflash: a kind of drafts/registry.py (checked in validation)
     path: str | None = None  # an existing draft folder to start from (or to evaluate with stages=[eval])
     num_speculative_tokens: int = 4  # K: tokens proposed per verification step
     # eagle3
@@ -137,7 +136,6 @@ class DraftConfig:
     dflash_loss_gamma: float = 7.0
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, "draft.kind", tuple(KINDS))
         _check(
             1 <= self.num_speculative_tokens <= 64,
             "draft.num_speculative_tokens",

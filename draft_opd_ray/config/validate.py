@@ -8,14 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from draft_opd_ray.config.schema import Config
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models import kinds
 from draft_opd_ray.placement import PlacementPlan, plan_for
 
 
 def _check_draft(cfg: Config) -> None:
     d = cfg.draft
-    kinds.check_draft_config(d)
+    draft_kind(d.kind).check_config(d)  # an unknown kind first: `draft.kind: must be one of [...]`
     if d.path is not None and not Path(d.path).is_dir():
         raise ConfigError(f"draft.path: directory not found: {d.path}")
     if "eval" in cfg.stages and "sft" not in cfg.stages and "opd" not in cfg.stages and d.path is None:
@@ -40,18 +40,19 @@ def _check_draft_against_target(cfg: Config) -> None:
             f"target.path: directory not found: {path} (no model hub here; give a local folder)"
         )
     info = target_info_for_checks(path, cache_dir(cfg))
-    kinds.check_draft_fits_target(cfg.draft, info.num_layers, info.vocab_size)
+    kind = draft_kind(cfg.draft.kind)
+    kind.check_fits(cfg.draft, info.num_layers, info.vocab_size)
     top = info.max_position_embeddings
     if top is not None and cfg.target.max_model_len > top:
         raise ConfigError(
             f"target.max_model_len: {cfg.target.max_model_len} is beyond what the target supports "
             f"(max_position_embeddings {top})"
         )
-    vd = kinds.draft_vocabulary(cfg.draft, info.vocab_size)
+    vd = kind.vocabulary(cfg.draft, info.vocab_size)
     if cfg.teacher.topk is not None and cfg.teacher.topk > vd:
         raise ConfigError(f"teacher.topk: {cfg.teacher.topk} exceeds the draft vocabulary ({vd} tokens)")
     if cfg.draft.path is not None:
-        kinds.check_draft_matches_target(info, cfg.draft.path, cfg.draft.kind)
+        kind.check_folder(info, cfg.draft.path)
     check_engine_serves(cfg.draft.kind, info.architectures, cache_dir(cfg))
 
 
@@ -104,7 +105,7 @@ def _check_training(cfg: Config) -> None:
     if "opd" not in cfg.stages:
         return
     if (
-        not kinds.draft_kind(cfg.draft.kind).starts_fresh
+        not draft_kind(cfg.draft.kind).starts_fresh
         and cfg.draft.path is None
         and "sft" not in cfg.stages
     ):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from draft_opd_ray.drafts.registry import KINDS, draft_kind
 from draft_opd_ray.eval.tau import measure, tau_stats
-from draft_opd_ray.models.kinds import KINDS
 
 
 def tau_match(
@@ -39,7 +39,6 @@ def tau_match(
     ``stop_token_ids`` (None: the target's eos ids, `models.target.stop_token_ids`)."""
     from transformers import AutoModelForCausalLM
 
-    from draft_opd_ray.models.kinds import draft_kind
     from draft_opd_ray.models.target import target_stop_token_ids
     from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
     from draft_opd_ray.rollout.reference import speculative_generate

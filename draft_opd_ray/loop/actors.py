@@ -330,10 +330,10 @@ def _replay_actor(
 ) -> Any:
     import ray
 
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.opd.replay import ReplayActor
-    from draft_opd_ray.opd.students import replay_needs
 
-    feature_ids, draft_ids = replay_needs(cfg.draft.kind, draft_dir, target)
+    feature_ids, draft_ids = draft_kind(cfg.draft.kind).replay_needs(draft_dir, target)
     return (
         ray.remote(ReplayActor)
         .options(**options, max_restarts=cfg.cluster.max_restarts)

@@ -126,7 +126,7 @@ class Learner:
         cores, sharers) sets the threads from this node's cores instead of ``num_threads``
         (`device.node_threads`)."""
         from draft_opd_ray.device import resolve_dtype
-        from draft_opd_ray.opd.students import make_student
+        from draft_opd_ray.drafts.registry import draft_kind
 
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -137,7 +137,7 @@ class Learner:
         init_process_group(backend, rank=rank, world_size=world_size, master=master)
         self.device = actor_device()
         self.target = target
-        self.student = make_student(kind, draft_dir, target)
+        self.student = draft_kind(kind).student(draft_dir, target)
         self.model = self.student.model
         self.spec, self.objective = spec, objective
         self.engine, _, self.scheduler = build_engine(

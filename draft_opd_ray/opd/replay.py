@@ -1,6 +1,6 @@
 """ReplayActor: teacher log-probs (and target features) on the draft's own blocks at the selected anchors
 (docs/design.md, "Replay"). Runs on the devices that hold the target; the data contracts and the packing math are
-in `wire.py`, the per-kind redraft in `opd/students.py`.
+in `wire.py`, the per-kind redraft in each kind's student (`drafts/<kind>/student.py`).
 
 For one committed sequence x (prompt + response, length T) and its anchors (n, y_1..y_K', a):
 - one target forward over x gives the features the EAGLE-3 student conditions on and the teacher
@@ -71,9 +71,9 @@ class ReplayActor:
         if mode == "redraft" or self.draft_topm > 0:
             if draft_kind is None or draft_dir is None:
                 raise ValueError("replay mode redraft and draft_topm > 0 need draft_kind and draft_dir")
-            from draft_opd_ray.opd.students import make_student
+            from draft_opd_ray.drafts import registry
 
-            self.student = make_student(draft_kind, draft_dir, target)
+            self.student = registry.draft_kind(draft_kind).student(draft_dir, target)
             self.student.model.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 

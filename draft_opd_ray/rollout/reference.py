@@ -13,132 +13,29 @@ Requests are batched: the target scores all active requests in one right-padded 
 the sequences here are short, and recomputation keeps padding and acceptance bookkeeping trivially
 correct). Produces the same `RequestRecord`s as the vLLM rollout worker.
 
-Drafters that condition on target hidden states (EAGLE-3, DFlash: `FeatureDrafter`, built in
-draft_opd_ray.rollout.drafters) get them from the verification pass itself, as vLLM does: after a step
-that accepted a tokens the pass over prefix + y_1..y_K holds exact states for every committed position
-but the last (the correction/bonus token, which no forward has consumed yet). So the drafter always sees
-the states of positions 0..len(seq)-2, from the prefill for the first step and from the previous
-verification afterwards.
+Drafters (`drafts/drafter.py`; each kind's in its folder, built by `DraftKind.drafter`) that condition on
+target hidden states (EAGLE-3, DFlash: `FeatureDrafter`) get them from the verification pass itself, as vLLM
+does: after a step that accepted a tokens the pass over prefix + y_1..y_K holds exact states for every
+committed position but the last (the correction/bonus token, which no forward has consumed yet). So the
+drafter always sees the states of positions 0..len(seq)-2, from the prefill for the first step and from the
+previous verification afterwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
+from draft_opd_ray.drafts.drafter import Drafter, FeatureDrafter, padded_forward, right_pad, sampling_probs
 from draft_opd_ray.wire import RequestRecord
-
-
-class Drafter(Protocol):
-    def propose(
-        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
-    ) -> tuple[list[list[int]], torch.Tensor]:
-        """Drafted ids (k per sequence) and the draft's distributions q over them: (B, k, V) probabilities
-        (one-hot under greedy)."""
-        ...
-
-
-@runtime_checkable
-class FeatureDrafter(Protocol):
-    """A drafter conditioned on target hidden states. The engine hands it, per sequence, the concatenated HF
-    ``output_hidden_states[i]`` for i in ``hidden_state_indices`` at positions 0..len(seq)-2: (len(seq)-1, F).
-    Without ``features`` it must compute them itself (one target forward)."""
-
-    hidden_state_indices: tuple[int, ...]
-
-    def propose(
-        self,
-        seqs: Sequence[list[int]],
-        k: int,
-        temperature: float,
-        generator: torch.Generator | None,
-        features: Sequence[torch.Tensor] | None = None,
-    ) -> tuple[list[list[int]], torch.Tensor]: ...
-
-
-def right_pad(seqs: Sequence[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids (B, Lmax) and their attention mask (B, Lmax) (1 = real token)."""
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
-def padded_forward(
-    model: torch.nn.Module, seqs: Sequence[list[int]], hidden_state_indices: Sequence[int] = ()
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits (B, Lmax, V) in float32 of a causal LM over right-padded sequences, and, when
-    ``hidden_state_indices`` is non-empty, the concatenation of those HF ``hidden_states`` entries
-    (B, Lmax, F) (padded rows are garbage)."""
-    ids, mask = right_pad(seqs)
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(hidden_state_indices))
-    if not hidden_state_indices:
-        return out.logits.float(), None
-    feats = torch.cat([out.hidden_states[i] for i in hidden_state_indices], dim=-1)
-    return out.logits.float(), feats
 
 
 def padded_logits(model: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int = 0) -> torch.Tensor:
     """Logits of a causal LM over right-padded sequences: (B, Lmax, V) in float32."""
     ids, mask = right_pad(seqs, pad_id)
     return model(input_ids=ids, attention_mask=mask).logits.float()
-
-
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    return torch.softmax(logits / temperature, dim=-1)
-
-
-class CausalLMDrafter:
-    """A standalone draft LM with the target's tokenizer proposes k tokens autoregressively: one forward over
-    the left-padded prefixes fills a KV cache, then one single-token forward per further draft token."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    @torch.no_grad()
-    def propose(
-        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
-    ) -> tuple[list[list[int]], torch.Tensor]:
-        L = max(len(s) for s in seqs)
-        ids = torch.zeros((len(seqs), L), dtype=torch.long)
-        mask = torch.zeros((len(seqs), L), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, L - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, L - len(s) :] = 1
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        toks, qs = [], []
-        for j in range(k):
-            q = _probs(out.logits[:, -1].float(), temperature)  # (B, V)
-            tok = (
-                q.argmax(-1) if temperature == 0 else torch.multinomial(q, 1, generator=generator).squeeze(-1)
-            )
-            toks.append(tok)
-            qs.append(q)
-            if j == k - 1:
-                break
-            mask = torch.cat([mask, mask.new_ones((len(seqs), 1))], dim=1)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=mask.sum(-1, keepdim=True) - 1,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-        return torch.stack(toks, dim=1).tolist(), torch.stack(qs, dim=1)  # (B, k, V)
 
 
 @dataclass
@@ -204,7 +101,7 @@ def speculative_generate(
     # features of positions 0..len(seq)-2 per request (FeatureDrafter only), refreshed by every verification
     ctx: list[torch.Tensor] = [torch.empty(0)] * len(recs)
     for i, r in enumerate(recs):
-        p0 = _probs(logits[i, len(r.prompt_ids) - 1], temperature)
+        p0 = sampling_probs(logits[i, len(r.prompt_ids) - 1], temperature)
         tok = int(p0.argmax()) if temperature == 0 else int(torch.multinomial(p0, 1, generator=gen))
         r.response_ids.append(tok)
         if feats is not None:
@@ -219,7 +116,7 @@ def speculative_generate(
         logits, feats = padded_forward(target, [s + d for s, d in zip(seqs, drafted)], indices)
         for i, (j, s, d) in enumerate(zip(active, seqs, drafted)):
             r = recs[j]
-            p = _probs(logits[i, len(s) - 1 : len(s) + len(d)], temperature) if temperature else None
+            p = sampling_probs(logits[i, len(s) - 1 : len(s) + len(d)], temperature) if temperature else None
             if p is None:  # greedy: keep real probabilities for the teacher log-probs
                 real = torch.softmax(logits[i, len(s) - 1 : len(s) + len(d)], dim=-1)
                 res = verify_block(real, q[i], d, 0.0, gen)

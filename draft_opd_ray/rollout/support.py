@@ -65,7 +65,7 @@ def serves_aux_hidden_states(architecture: str, cache_dir: Path) -> bool | None:
 def check_engine_serves(kind: str, architectures: Sequence[str], cache_dir: Path) -> None:
     """A `ConfigError` naming `draft.kind` when vLLM cannot serve a ``kind`` draft for the target's architecture,
     with the kinds that do work."""
-    from draft_opd_ray.models.kinds import draft_kind
+    from draft_opd_ray.drafts.registry import draft_kind
 
     if (
         not draft_kind(kind).feature_conditioned or not architectures

@@ -1,4 +1,4 @@
-"""The SFT loop for any draft kind (its recipe: `sft/recipes.py`) through a DeepSpeed engine.
+"""The SFT loop for any draft kind (its recipe: `drafts/<kind>/recipe.py`) through a DeepSpeed engine.
 
 Reads top to bottom: ``run_sft(job)`` = set up (the recipe's draft, the feature source, the engine, resume) ->
 train (AdamW, warm-up + cosine over ``sft.train_tokens`` trained tokens; stops at the first rule of the
@@ -39,6 +39,8 @@ from draft_opd_ray.checkpoint import clean_leftovers, latest_checkpoint, load_st
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, resolve_dtype
 from draft_opd_ray.distributed import all_reduce_sum, balanced_shards, init_process_group, world
+from draft_opd_ray.drafts.recipe import Recipe, RecipeInputs, Reduce
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.flops import target_forward_flops
 from draft_opd_ray.metrics import json_line
 from draft_opd_ray.models.target import TargetInfo, read_target_info
@@ -51,7 +53,6 @@ from draft_opd_ray.sft.features import (
     forward_dtype,
     length_batches,
 )
-from draft_opd_ray.sft.recipes import Recipe, Reduce, build_recipe
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class SFTJob:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     seed: int = 0
     resume: bool = False  # continue from checkpoints/sft/latest
-    init: str = "target"  # a new draft's initialisation (`sft/recipes.py`)
+    init: str = "target"  # a new draft's initialisation (`drafts/eagle3/recipe.py`)
     feature_mode: str = "cache"  # cache: one feature pass, cached; on_the_fly: the target run per batch
     max_seq_len: int = 1024  # prompt + answer cut here
     max_steps: int | None = None  # a cap on steps (tests)
@@ -434,15 +435,8 @@ def run_sft(
     emit = metrics or _jsonl_writer(run_dir / "metrics.jsonl")
     info = read_target_info(target)
     seqs, plens = _sequences(trajectories, job.max_seq_len)
-    recipe = build_recipe(
-        target,
-        job.draft,
-        seqs=seqs,
-        prompt_lens=plens,
-        init=job.init,
-        start_from=budget.start_from,
-        seed=job.seed,
-    )
+    src = RecipeInputs(seqs, plens, init=job.init, start_from=budget.start_from, seed=job.seed)
+    recipe = draft_kind(job.draft.kind).recipe(target, job.draft, src)
     # the group first: the ranks split the feature pass and wait for each other's shards
     init_process_group(job.learner.backend, rank=place.rank, world_size=place.world_size, master=place.master)
     source = _feature_source(target, Path(trajectories), recipe, seqs, plens, job)

@@ -29,7 +29,7 @@ def engine_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture(scope="package")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(target folder, EAGLE-3 draft folder): the tiny random Llama and a fresh head on its layers 0-2."""
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
     from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.tiny import build_tiny_target
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_four_job_multirun_and_its_comparison(tiny_target: Path, tmp_path: Path) -> None:
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 
     draft = save_eagle3(init_eagle3(tiny_target, aux_layer_ids=[0, 1, 2]), tmp_path / "draft", tiny_target)
     sweep = tmp_path / "sweep"

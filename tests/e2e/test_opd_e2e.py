@@ -65,7 +65,7 @@ def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tiny_target: Path,
     optimizer updates per step: the exported draft loads back as a causal LM on the target's vocabulary.
     (Random anchors are budget-matched to the error anchors, and this tiny random target's greedy output is
     often accepted whole by a slice of itself, so they can be none.)"""
-    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target, load_standalone
 
     target = tiny_target
     draft = build_standalone_from_target(target, tmp_path / "draft", num_layers=1)

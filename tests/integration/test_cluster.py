@@ -198,7 +198,7 @@ def tiny_eval_overrides(target: Path, draft: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 
     out = tmp_path_factory.mktemp("draft") / "draft"
     return save_eagle3(init_eagle3(tiny_target, aux_layer_ids=[0, 1, 2]), out, tiny_target)

@@ -63,7 +63,7 @@ def test_learner_trains_on_the_topk_payload(replay_case) -> None:
 def test_learner_trains_and_exports_other_kinds(replay_case, tmp_path: Path, kind: str) -> None:
     """The standalone and DFlash students step on the same replayed teacher and export a folder their loader reads
     back with the trained weights."""
-    from draft_opd_ray.models.kinds import draft_kind
+    from draft_opd_ray.drafts.registry import draft_kind
 
     c = replay_case
     draft = c.draft(kind, tmp_path / kind)

@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from draft_opd_ray.rollout.drafters import DFlashDrafter, Eagle3Drafter
 
+from draft_opd_ray.drafts.dflash.drafter import DFlashDrafter
+from draft_opd_ray.drafts.eagle3.drafter import Eagle3Drafter
+from draft_opd_ray.drafts.standalone.drafter import CausalLMDrafter
 from draft_opd_ray.rollout.records import tau, tau_vllm
-from draft_opd_ray.rollout.reference import CausalLMDrafter, speculative_generate
+from draft_opd_ray.rollout.reference import speculative_generate
 from draft_opd_ray.wire import RequestRecord, consistency_error
 from tests.helpers import chat_prompt_ids, fit_eagle3, randomize_, target_pass
 
@@ -39,7 +41,7 @@ def smol(embedded_target: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def standalone(smol, tmp_path_factory) -> tuple[Path, list[RequestRecord]]:
     """The 29-layer slice of the target as a standalone draft, and its reference-engine records."""
-    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target, load_standalone
 
     folder = build_standalone_from_target(
         smol["path"], tmp_path_factory.mktemp("sa"), layer_ids=list(range(29))
@@ -116,7 +118,7 @@ def test_standalone_vllm_equals_reference(smol, standalone) -> None:
 
 
 def test_eagle3_vllm_equals_reference(smol, smol_batch, tmp_path: Path) -> None:
-    from draft_opd_ray.models.eagle3 import init_eagle3, load_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, load_eagle3, save_eagle3
 
     counts = torch.zeros(smol["model"].config.vocab_size)
     counts.index_add_(0, smol_batch["ids"].flatten(), torch.ones(smol_batch["ids"].numel()))
@@ -134,7 +136,7 @@ def test_dflash_vllm_equals_reference(smol, tmp_path: Path) -> None:
     """A few fitting steps leave a DFlash drafter that proposes one frequent token whatever the context (it
     needs far more training to use it), which would test little; large random weights instead make every
     drafted id depend on the exact context, layer ids and positions. They are almost never accepted."""
-    from draft_opd_ray.models.dflash import init_dflash, load_dflash, save_dflash
+    from draft_opd_ray.drafts.dflash.model import init_dflash, load_dflash, save_dflash
 
     draft = init_dflash(smol["path"], num_layers=1, block_size=K + 1)
     randomize_(draft, 0.1, torch.Generator().manual_seed(0))

@@ -31,9 +31,9 @@ K = 4
 
 
 def _draft(kind: str, target: Path, out: Path) -> Path:
-    from draft_opd_ray.models.dflash import init_dflash, save_dflash
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.dflash.model import init_dflash, save_dflash
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
 
     if kind == "eagle3":
         return save_eagle3(init_eagle3(target, aux_layer_ids=[0, 1, 2]), out, target)
@@ -54,13 +54,12 @@ def ray_local() -> Any:
 @pytest.fixture(scope="module", params=KINDS)
 def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_path_factory: Any) -> Any:
     """(kind, worker actor, draft folder, the learner's state of the draft) for one kind."""
-    from draft_opd_ray.opd.students import make_student
-
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.rollout.worker import RolloutWorker
 
     kind = request.param
     draft = _draft(kind, tiny_target, tmp_path_factory.mktemp(kind) / "draft")
-    state = make_student(kind, str(draft), str(tiny_target)).rollout_state()
+    state = draft_kind(kind).student(str(draft), str(tiny_target)).rollout_state()
     worker = ray_local.remote(num_cpus=1)(RolloutWorker).remote(
         0,
         str(tiny_target),
@@ -145,13 +144,12 @@ def test_wrong_version_is_refused(case: Any) -> None:
 
 def test_replay_draft_copy_is_checked(case: Any, tiny_target: Path) -> None:
     """redraft: the replay actor is a receiver too; its copy's fingerprints follow the same check."""
-    from draft_opd_ray.opd.students import replay_needs
-
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.sync.refit import check_ack, fingerprints
 
     kind, _, draft, state = case
-    feats, ids = replay_needs(kind, str(draft), str(tiny_target))
+    feats, ids = draft_kind(kind).replay_needs(str(draft), str(tiny_target))
     replay = ReplayActor(
         str(tiny_target),
         aux_layer_ids=feats,

@@ -33,7 +33,7 @@ SAMPLING = Sampling(max_new_tokens=48, stop_token_ids=(2,))
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, embedded_target):
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
 
     target = embedded_target
     draft = build_standalone_from_target(target, tmp_path_factory.mktemp("draft"), layer_ids=list(range(29)))

@@ -50,12 +50,12 @@ def _items(item: ReplayItem) -> list[ReplayItem]:
 
 def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
     import ray
-    from draft_opd_ray.opd.students import replay_needs
 
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.loop.actors import LearnerGroup, ReplayGroup, start_learner_ranks
     from draft_opd_ray.opd.replay import ReplayActor
 
-    feats, ids = replay_needs("eagle3", str(case.eagle3), str(case.target))
+    feats, ids = draft_kind("eagle3").replay_needs(str(case.eagle3), str(case.target))
     actors = [
         ray.remote(ReplayActor)
         .options(num_cpus=0.1)

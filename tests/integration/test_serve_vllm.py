@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.models.dflash import DFlashDraft, init_dflash, save_dflash
-from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
-from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
+from draft_opd_ray.drafts.dflash.model import DFlashDraft, init_dflash, save_dflash
+from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
+from draft_opd_ray.drafts.standalone.model import build_standalone_from_target, load_standalone
 from tests.helpers import greedy_spec_decode, randomize_, target_features, vllm_llm
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, OptimConfig, SFTConfig, SFTStudyConfig
-from draft_opd_ray.models.eagle3 import load_eagle3
+from draft_opd_ray.drafts.eagle3.model import load_eagle3
 from draft_opd_ray.sft.trainer import SFTJob, run_sft
 
 pytestmark = pytest.mark.deepspeed
@@ -65,8 +65,8 @@ def test_deepspeed_sft_lowers_loss_and_resumes(tiny_target: Path, trajectories: 
 def test_other_kinds_train_through_the_same_loop(
     tiny_target: Path, trajectories: Path, tmp_path: Path, kind: str
 ) -> None:
-    from draft_opd_ray.models.dflash import load_dflash
-    from draft_opd_ray.models.standalone import load_standalone
+    from draft_opd_ray.drafts.dflash.model import load_dflash
+    from draft_opd_ray.drafts.standalone.model import load_standalone
 
     draft = DraftConfig(kind=kind, num_layers=2, block_size=5, num_speculative_tokens=4)
     out, rec = _run(tiny_target, trajectories, tmp_path / kind, 4, draft)

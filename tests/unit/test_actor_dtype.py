@@ -48,7 +48,7 @@ class _Stop(Exception):
 def test_learner_ranks_resolve_auto_on_their_node(
     monkeypatch: pytest.MonkeyPatch, tiny_target: Path, tmp_path: Path
 ) -> None:
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 
     from draft_opd_ray.opd import learner as learner_mod
 

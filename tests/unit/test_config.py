@@ -13,8 +13,8 @@ import pytest
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import compose
 from draft_opd_ray.config.validate import validate
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models.kinds import check_draft_fits_target
 from tests import helpers
 
 
@@ -126,18 +126,20 @@ def test_zero_stage_3_is_refused_for_the_training_stages() -> None:
 def test_draft_that_does_not_fit_the_target_is_rejected(overrides: list[str], fragment: str) -> None:
     """Checked against the target's config (SmolLM2: 30 layers, vocabulary 49,152) before any model loads."""
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_draft_fits_target(compose(overrides).draft, num_layers=30, vocab_size=49152)
+        d = compose(overrides).draft
+        draft_kind(d.kind).check_fits(d, num_layers=30, vocab_size=49152)
 
 
 def test_default_draft_fits_the_default_target() -> None:
     for kind in ("eagle3", "standalone", "dflash"):
-        check_draft_fits_target(compose([f"draft={kind}"]).draft, num_layers=30, vocab_size=49152)
+        d = compose([f"draft={kind}"]).draft
+        draft_kind(kind).check_fits(d, num_layers=30, vocab_size=49152)
 
 
 def test_eval_of_a_draft_of_another_target_is_one_line_exit_2(tmp_path: Path, tiny_target: Path) -> None:
     """An EAGLE-3 head made for the tiny target, evaluated on the embedded SmolLM2 target: refused from the two
     config.json files, before any engine starts."""
-    from draft_opd_ray.models.eagle3 import init_eagle3, save_eagle3
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 
     draft = save_eagle3(init_eagle3(tiny_target, aux_layer_ids=[0, 1, 2]), tmp_path / "d", tiny_target)
     r = run_main("stages=[eval]", f"draft.path={draft}")

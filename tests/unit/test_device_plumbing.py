@@ -138,12 +138,11 @@ def test_the_stand_in_checks_devices_as_cuda_does() -> None:
 def _learner(draft: Path, target: Path, kind: str, estimator: str, objective: str) -> Any:
     """A `Learner` without its DeepSpeed engine (a unit test starts none): the student loaded on the CPU as
     `Learner.__init__` loads it; `_to_device` does what the rest of `__init__` and DeepSpeed do on a GPU."""
-    from draft_opd_ray.opd.students import make_student
-
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.opd.learner import Learner
 
     learner = Learner.__new__(Learner)
-    learner.student = make_student(kind, str(draft), str(target))
+    learner.student = draft_kind(kind).student(str(draft), str(target))
     learner.model = learner.student.model
     learner.spec, learner.objective = LossConfig(estimator=estimator), objective
     return learner

@@ -1,6 +1,7 @@
 """DFlash drafter: the many-anchor block mask against brute force, block isolation and "context strictly before
-the anchor", the forward against explicit per-head attention loops, the SFT loss weights (`sft.recipes`),
-checkpoint round trip and target checks. (Serving the exported drafter in vLLM: tests/integration/test_serve_vllm.py.)"""
+the anchor", the forward against explicit per-head attention loops, the SFT loss weights
+(`drafts/dflash/recipe.py`), checkpoint round trip and target checks. (Serving the exported drafter in vLLM:
+tests/integration/test_serve_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.dflash import (
+from draft_opd_ray.drafts.dflash.model import (
     DFlashConfig,
     DFlashDraft,
     default_mask_token_id,
@@ -23,7 +23,8 @@ from draft_opd_ray.models.dflash import (
     load_dflash,
     save_dflash,
 )
-from draft_opd_ray.sft.recipes import dflash_sft_loss, sample_anchors
+from draft_opd_ray.drafts.dflash.recipe import dflash_sft_loss, sample_anchors
+from draft_opd_ray.errors import ModelError
 from tests.helpers import edit_config, randomize_, rope, save_checked_against_its_target, small_shape
 
 V, H, BS = 64, 32, 4

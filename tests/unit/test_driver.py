@@ -36,7 +36,7 @@ def test_opd_prompt_order_is_seeded() -> None:
 
 
 def test_initial_draft_is_a_fresh_eagle3_head(tiny_target: Path, tmp_path: Path) -> None:
-    from draft_opd_ray.models.eagle3 import load_eagle3
+    from draft_opd_ray.drafts.eagle3.model import load_eagle3
 
     out = initial_draft(_cfg(), str(tiny_target), tmp_path)
     assert Path(out) == tmp_path / "draft_init"

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.eagle3 import (
+from draft_opd_ray.drafts.eagle3.model import (
     Eagle3Config,
     Eagle3Draft,
     build_vocab_map,

@@ -1,18 +1,21 @@
-"""The draft-kinds table: every entry resolves to what it names and round-trips a draft through it, an unknown kind
-is a config error naming draft.kind, and no other module of the package compares kind names."""
+"""The draft-kinds table (`drafts/registry.py`): every entry's pieces live in its own folder and round-trip a
+draft, an unknown kind is a config error naming draft.kind (refused by validation before anything loads), and no
+module outside a kind's folder compares kind names."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from draft_opd_ray.models.kinds import KINDS, draft_kind
 
 import draft_opd_ray
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.config.store import compose
+from draft_opd_ray.drafts.registry import KINDS, draft_kind
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.rollout.engine import speculative_config
 
@@ -21,14 +24,14 @@ PACKAGE = Path(draft_opd_ray.__file__).resolve().parent
 
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_every_entry_resolves(name: str) -> None:
-    """The student class and the SFT recipe builder import (load, save, fresh and the reference drafter run for
-    real in the round trip below), the vLLM method is what the engine asks for, and a config group exists."""
+    """Its pieces import and live in the kind's folder (load, save, fresh and the reference drafter run for real
+    in the round trip below), the vLLM method is what the engine asks for, and a config group exists."""
     k = draft_kind(name)
     assert k.name == name and KINDS[name] is k
-    student, recipe = k.student(), k.recipe()
-    # the student class serves the kind that names it
-    assert isinstance(student, type) and student.kind == name
-    assert callable(recipe) and recipe.__module__ == "draft_opd_ray.sft.recipes"
+    p = k.pieces()
+    pieces = [p.load, p.save, p.student, p.recipe, p.drafter] + ([p.fresh] if k.starts_fresh else [])
+    assert {f.__module__.rsplit(".", 1)[0] for f in pieces} == {f"draft_opd_ray.drafts.{name}"}
+    assert isinstance(p.student, type)
     assert speculative_config(name, "d", 4) == {
         "method": k.vllm_method,
         "model": "d",
@@ -46,6 +49,25 @@ def test_unknown_kind_is_a_config_error_naming_the_key() -> None:
         speculative_config("x", "d", 4)
 
 
+def test_unknown_kind_is_refused_by_validation_before_torch_loads() -> None:
+    """`draft.kind=x` composes (config/ knows no kinds) and validation refuses it with the table's message; the
+    table, the kinds' checks and validation import no torch."""
+    code = (
+        "import sys\n"
+        "from draft_opd_ray.config.store import compose\n"
+        "from draft_opd_ray.config.validate import validate\n"
+        "from draft_opd_ray.errors import ConfigError\n"
+        "try:\n"
+        "    validate(compose(['draft.kind=x']))\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "draft.kind: must be one of ['eagle3', 'standalone', 'dflash'], got 'x'"
+
+
 def test_only_eagle3_starts_fresh(tiny_target: Path) -> None:
     for name in ("standalone", "dflash"):
         with pytest.raises(
@@ -57,8 +79,8 @@ def test_only_eagle3_starts_fresh(tiny_target: Path) -> None:
 
 
 def _draft(name: str, target: Path, out: Path) -> Path:
-    from draft_opd_ray.models.dflash import init_dflash, save_dflash
-    from draft_opd_ray.models.standalone import build_standalone_from_target
+    from draft_opd_ray.drafts.dflash.model import init_dflash, save_dflash
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
 
     if name == "eagle3":
         return draft_kind(name).save(draft_kind(name).fresh(target, DraftConfig(), 0), out, target)
@@ -104,16 +126,16 @@ KIND_COMPARISON = re.compile(
 )
 
 
-def test_no_module_but_the_table_compares_kind_names() -> None:
-    """Everything that depends on the kind asks models/kinds.py: `kind == "dflash"` elsewhere is a second
-    table that drifts."""
+def test_no_module_outside_a_kinds_folder_compares_kind_names() -> None:
+    """Everything that depends on the kind asks its `DraftKind` (drafts/registry.py): `kind == "dflash"` outside
+    drafts/<kind>/ is a second table that drifts."""
     assert KIND_COMPARISON.search('if d.kind == "dflash":') and KIND_COMPARISON.search("'eagle3' != kind")
     assert KIND_COMPARISON.search('kind in ("standalone", "x")') and not KIND_COMPARISON.search(
         'kind="eagle3"'
     )
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "models" / "kinds.py":
+        if path.parent.parent == PACKAGE / "drafts" and path.parent.name in KINDS:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if KIND_COMPARISON.search(line):

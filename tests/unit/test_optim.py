@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from draft_opd_ray.config.schema import Config, DraftConfig
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.models.kinds import check_draft_config
 from draft_opd_ray.optim import LR_FLOOR, deepspeed_config, lr_factor, trainable_parameters, update_lr_factor
 
 
@@ -22,15 +22,14 @@ def test_sft_and_opd_train_the_same_eagle3_weights(
     tiny_target: Path, tmp_path: Path, train_lm_head: bool
 ) -> None:
     """The SFT recipe's head and the Draft-OPD student loaded from its export train the same weights."""
-    from draft_opd_ray.opd.students import make_student
-    from draft_opd_ray.sft.recipes import build_recipe
+    from draft_opd_ray.drafts.recipe import RecipeInputs
 
     draft = DraftConfig(draft_vocab_size=64, ttt_steps=2, train_lm_head=train_lm_head)
     seqs, plens = [list(range(3, 40))], [8]
-    recipe = build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=plens)
+    recipe = draft_kind(draft.kind).recipe(tiny_target, draft, RecipeInputs(seqs, plens))
     sft = _names(recipe.model, trainable_parameters(recipe.model, "eagle3", draft.train_lm_head))
     recipe.save(recipe.model, tmp_path / "d", tiny_target)
-    student = make_student("eagle3", str(tmp_path / "d"), str(tiny_target))
+    student = draft_kind("eagle3").student(str(tmp_path / "d"), str(tiny_target))
     opd = _names(student.model, trainable_parameters(student.model, "eagle3", draft.train_lm_head))
     assert sft == opd
     assert ("lm_head.weight" in sft) == train_lm_head
@@ -39,7 +38,7 @@ def test_sft_and_opd_train_the_same_eagle3_weights(
 
 def test_train_lm_head_only_where_a_kind_has_one() -> None:
     with pytest.raises(ConfigError, match="draft.train_lm_head"):
-        check_draft_config(DraftConfig(kind="standalone", train_lm_head=True))
+        draft_kind("standalone").check_config(DraftConfig(kind="standalone", train_lm_head=True))
 
 
 def test_opd_schedule_does_not_jump_above_where_sft_ended() -> None:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_opd_ray.models.dflash import DFlashConfig, DFlashDraft
-from draft_opd_ray.models.eagle3 import Eagle3Config, Eagle3Draft
-from draft_opd_ray.rollout.drafters import DFlashDrafter, Eagle3Drafter
 from transformers import LlamaForCausalLM
 
-from draft_opd_ray.rollout.reference import (
-    CausalLMDrafter,
-    FeatureDrafter,
-    speculative_generate,
-    target_generate,
-)
+from draft_opd_ray.drafts.dflash.drafter import DFlashDrafter
+from draft_opd_ray.drafts.dflash.model import DFlashConfig, DFlashDraft
+from draft_opd_ray.drafts.drafter import FeatureDrafter
+from draft_opd_ray.drafts.eagle3.drafter import Eagle3Drafter
+from draft_opd_ray.drafts.eagle3.model import Eagle3Config, Eagle3Draft
+from draft_opd_ray.drafts.standalone.drafter import CausalLMDrafter
+from draft_opd_ray.rollout.reference import speculative_generate, target_generate
 from draft_opd_ray.wire import consistency_error
 from tests.helpers import fit_dflash, fit_eagle3, greedy_spec_decode, target_pass, tiny_lm
 

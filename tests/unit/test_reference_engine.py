@@ -10,8 +10,9 @@ import torch
 from scipy.stats import chi2
 from transformers import LlamaForCausalLM
 
+from draft_opd_ray.drafts.standalone.drafter import CausalLMDrafter
 from draft_opd_ray.rollout.records import tau
-from draft_opd_ray.rollout.reference import CausalLMDrafter, speculative_generate, target_generate
+from draft_opd_ray.rollout.reference import speculative_generate, target_generate
 from draft_opd_ray.wire import consistency_error
 from tests.helpers import tiny_lm
 

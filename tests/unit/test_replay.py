@@ -76,13 +76,14 @@ def test_topk_payload_is_the_full_teacher_top_k(replay_case) -> None:
 def test_standalone_student_matches_naive_forward(replay_case, tmp_path) -> None:
     """q_k of a standalone LM draft is its distribution after x_{<=n} y_{<k}: the student gets it for every anchor
     and position from one tree-masked forward, equal to one full forward per position."""
-    from draft_opd_ray.models.standalone import load_standalone
-    from draft_opd_ray.opd.students import StandaloneStudent, replay_needs
+    from draft_opd_ray.drafts.registry import draft_kind
+    from draft_opd_ray.drafts.standalone.model import load_standalone
+    from draft_opd_ray.drafts.standalone.student import StandaloneStudent
 
     c = replay_case
     item = c.item
     draft = c.draft("standalone", tmp_path / "sa")
-    assert replay_needs("standalone", str(draft), str(c.target)) == ([], None)
+    assert draft_kind("standalone").replay_needs(str(draft), str(c.target)) == ([], None)
     (t,) = c.replay("standalone", draft).score([item])
     assert t.features.shape == (len(item.input_ids), 0)
     student = StandaloneStudent(str(draft), str(c.target))
@@ -102,7 +103,7 @@ def test_standalone_student_matches_naive_forward(replay_case, tmp_path) -> None
 def test_dflash_student_drafts_every_block_alone(replay_case, tmp_path) -> None:
     """A DFlash student drafts all K offsets in one pass from the target features before the anchor: the block
     states of all anchors at once equal those of one anchor at a time (blocks are isolated)."""
-    from draft_opd_ray.opd.students import DFlashStudent
+    from draft_opd_ray.drafts.dflash.student import DFlashStudent
 
     c = replay_case
     draft = c.draft("dflash", tmp_path / "df")
@@ -121,20 +122,20 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
     """replay.mode=redraft: every anchor's block equals what the draft proposes from that prefix alone (its
     vLLM-equivalent `propose`, or HF greedy generation for a standalone LM), acceptance is the leading agreement
     with the committed stream, and a published weight version changes the blocks."""
-    from draft_opd_ray.models.standalone import load_standalone
-    from draft_opd_ray.opd.students import make_student, replay_needs
+    from draft_opd_ray.drafts.registry import draft_kind
+    from draft_opd_ray.drafts.standalone.model import load_standalone
 
     c = replay_case
     item, K = c.item, c.k
     draft = c.draft(kind, tmp_path / kind, num_layers=2 if kind == "standalone" else 1)
-    feats, _ = replay_needs(kind, str(draft), str(c.target))
+    feats, _ = draft_kind(kind).replay_needs(str(draft), str(c.target))
     replay = c.replay(kind, draft, mode="redraft", draft_kind=kind, draft_dir=str(draft))
     (t,) = replay.score([item])
     seq = torch.tensor(item.input_ids)
     with torch.no_grad():
         hs = c.model(seq[None], output_hidden_states=True).hidden_states
         f = torch.cat([hs[i] for i in feats], dim=-1) if feats else None
-        ref = make_student(kind, str(draft), str(c.target)).model.eval()
+        ref = draft_kind(kind).student(str(draft), str(c.target)).model.eval()
         lm = load_standalone(draft).eval() if kind == "standalone" else None
         for j, n in enumerate(item.anchor_pos):
             if lm is not None:
@@ -149,7 +150,7 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
             )
             assert int(t.accepted[j]) == a
     # a new version of the draft: different blocks from the next call on
-    noisy = perturbed(make_student(kind, str(draft), str(c.target)).rollout_state(), 0.5, seed=1)
+    noisy = perturbed(draft_kind(kind).student(str(draft), str(c.target)).rollout_state(), 0.5, seed=1)
     assert replay.load_draft_weights(noisy, 3) == 3
     (t2,) = replay.score([item])
     assert t2.policy_version == 3 and not torch.equal(t2.drafted, t.drafted)

@@ -162,7 +162,7 @@ def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(rep
     """`loss.draft_topm`: the replay holds the draft and ships, per block position, the draft's own top-m ids
     (what the student's head ranks highest there) and the teacher's exact log-probs at them (the full payload's
     values at those ids), beside the teacher's top-k; the learner hands both to the `topk` estimator."""
-    from draft_opd_ray.opd.students import make_student
+    from draft_opd_ray.drafts.registry import draft_kind
 
     c = replay_case
     m = 5
@@ -172,7 +172,7 @@ def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(rep
     assert t.draft_topm_ids is not None and t.teacher_logprobs_at_draft is not None
     N, K = t.drafted.shape
     assert t.draft_topm_ids.shape == (N, K, m) == t.teacher_logprobs_at_draft.shape
-    student = make_student("eagle3", str(c.eagle3), str(c.target))
+    student = draft_kind("eagle3").student(str(c.eagle3), str(c.target))
     with torch.no_grad():
         own = (student.block_hidden(t) @ student.lm_head.T).topk(m, dim=-1).indices
     valid = torch.arange(K)[None] < t.valid_len[:, None]

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import DraftConfig
-from draft_opd_ray.models.eagle3 import init_eagle3
-from draft_opd_ray.models.kinds import draft_kind
+from draft_opd_ray.drafts.eagle3.model import init_eagle3
+from draft_opd_ray.drafts.eagle3.recipe import (
+    draft_vocab_counts,
+    init_from_target,
+    ttt_anchors,
+    ttt_topk_loss,
+)
+from draft_opd_ray.drafts.recipe import RecipeInputs
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.optim import lr_factor
 from draft_opd_ray.sft.data import (
     Trajectory,
@@ -24,13 +31,6 @@ from draft_opd_ray.sft.data import (
     read_trajectories,
 )
 from draft_opd_ray.sft.features import SeqFeatures, load_hf_target, target_features
-from draft_opd_ray.sft.recipes import (
-    build_recipe,
-    draft_vocab_counts,
-    init_from_target,
-    ttt_anchors,
-    ttt_topk_loss,
-)
 from draft_opd_ray.sft.trainer import collate
 
 
@@ -157,9 +157,8 @@ def test_eagle3_recipe_counts_the_flops_it_runs(tiny_target: Path) -> None:
 
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 22)]
-    recipe = build_recipe(
-        tiny_target, DraftConfig(draft_vocab_size=256, ttt_steps=3), seqs=seqs, prompt_lens=[12, 5]
-    )
+    draft = DraftConfig(draft_vocab_size=256, ttt_steps=3)
+    recipe = draft_kind(draft.kind).recipe(tiny_target, draft, RecipeInputs(seqs, [12, 5]))
     A_H = len(recipe.feature_ids) * recipe.model.config.hidden_size
     items = [
         seq_features(torch.tensor(s), p, A_H, 256, g, top1=torch.tensor(s)) for s, p in zip(seqs, (12, 5))
@@ -175,7 +174,7 @@ def test_eagle3_recipe_counts_the_flops_it_runs(tiny_target: Path) -> None:
 def test_every_kind_builds_its_recipe_and_exports_what_its_loader_reads(
     tiny_target: Path, tmp_path: Path, kind: str
 ) -> None:
-    """build_recipe dispatches on draft.kind (the kinds table): the draft, the features it conditions on (HF
+    """`draft_kind(draft.kind).recipe` builds the kind's recipe (the kinds table): the draft, the features it conditions on (HF
     hidden_states indices), the label vocabulary, a finite loss with gradients and positive FLOPs on a collated
     batch, and a saved folder that the kind's loader reads back with identical weights; ``start_from`` that
     folder continues from those weights."""
@@ -184,7 +183,7 @@ def test_every_kind_builds_its_recipe_and_exports_what_its_loader_reads(
     draft = DraftConfig(
         kind=kind, draft_vocab_size=256, ttt_steps=2, num_layers=2, block_size=5, num_speculative_tokens=4
     )
-    recipe = build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=[6, 4])
+    recipe = draft_kind(kind).recipe(tiny_target, draft, RecipeInputs(seqs, [6, 4]))
     assert recipe.kind == kind
     if kind == "standalone":
         assert recipe.feature_ids == () and recipe.model.config.num_hidden_layers == 2
@@ -202,7 +201,7 @@ def test_every_kind_builds_its_recipe_and_exports_what_its_loader_reads(
     trained = {n: p for n, p in recipe.model.named_parameters() if p.requires_grad}
     for model in (
         draft_kind(kind).load(out, tiny_target),
-        build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=[6, 4], start_from=out).model,
+        draft_kind(kind).recipe(tiny_target, draft, RecipeInputs(seqs, [6, 4], start_from=out)).model,
     ):
         sd = model.state_dict()
         assert trained and all(torch.equal(sd[n], p) for n, p in trained.items())
@@ -274,8 +273,8 @@ def test_stage_logs_trainer_rows_through_the_run_logger(tmp_path: Path) -> None:
 def test_standalone_kd_loss_is_soft_cross_entropy(tiny_target: Path) -> None:
     import tempfile
 
-    from draft_opd_ray.models.standalone import build_standalone_from_target, load_standalone
-    from draft_opd_ray.sft.recipes import standalone_kd_loss
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target, load_standalone
+    from draft_opd_ray.drafts.standalone.recipe import standalone_kd_loss
 
     with tempfile.TemporaryDirectory() as d:
         lm = load_standalone(build_standalone_from_target(tiny_target, d, layer_ids=(0, 3)), tiny_target)
@@ -323,7 +322,7 @@ def test_dataset_answers_become_trajectories_and_mix(embedded_target: Path, tmp_
 
 
 def test_standalone_layers_drop_the_middle_of_the_stack() -> None:
-    from draft_opd_ray.sft.recipes import standalone_layer_ids
+    from draft_opd_ray.drafts.standalone.recipe import standalone_layer_ids
 
     assert standalone_layer_ids(20, 30) == (*range(10), *range(20, 30))
     assert standalone_layer_ids(3, 30) == (0, 1, 29)

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from draft_opd_ray.config.schema import DraftConfig
+from draft_opd_ray.drafts.dflash.recipe import dflash_sft_loss
+from draft_opd_ray.drafts.recipe import RecipeInputs
+from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.sft.features import SeqFeatures
 from draft_opd_ray.sft.ranks import rank_threads
-from draft_opd_ray.sft.recipes import build_recipe, dflash_sft_loss
 from draft_opd_ray.sft.trainer import collate, mask_batch
 
 LENGTHS, PROMPTS = (20, 13, 17), (7, 2, 5)
@@ -82,7 +84,7 @@ def _check_shares_add_up(
 def test_shares_add_up_to_the_whole_batch(tiny_target: Path, kind: str) -> None:
     draft = DraftConfig(kind=kind, draft_vocab_size=256, ttt_steps=3, num_layers=2)
     seqs = [it.input_ids.tolist() for it in _items(0, 1)]
-    recipe = build_recipe(tiny_target, draft, seqs=seqs, prompt_lens=PROMPTS)
+    recipe = draft_kind(draft.kind).recipe(tiny_target, draft, RecipeInputs(seqs, PROMPTS))
     width = len(recipe.feature_ids) * 64
     items = _items(width, len(recipe.label_ids))
     _check_shares_add_up(recipe.model, lambda b, r: recipe.loss(recipe.model, b, reduce=r), items)
@@ -91,7 +93,7 @@ def test_shares_add_up_to_the_whole_batch(tiny_target: Path, kind: str) -> None:
 def test_dflash_shares_add_up_to_the_whole_batch(tiny_target: Path) -> None:
     """At given anchors (DFlash's SFT samples them per rank: statistically, not exactly, one rank's)."""
     draft = DraftConfig(kind="dflash", num_layers=1, block_size=4, num_speculative_tokens=3)
-    recipe = build_recipe(tiny_target, draft, seqs=[[5] * 20], prompt_lens=[2])
+    recipe = draft_kind(draft.kind).recipe(tiny_target, draft, RecipeInputs([[5] * 20], [2]))
     items = _items(len(recipe.feature_ids) * 64, 8)
 
     def loss(b: dict[str, torch.Tensor], reduce: Any) -> Any:

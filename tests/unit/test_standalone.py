@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draft_opd_ray.errors import ModelError
-from draft_opd_ray.models.standalone import (
+from draft_opd_ray.drafts.standalone.model import (
     build_standalone_from_target,
     check_standalone_against_target,
     load_standalone,

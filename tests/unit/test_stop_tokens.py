@@ -51,7 +51,8 @@ def test_stop_ids_are_every_eos_id_of_the_target(qwen_like_target: Path) -> None
 
 
 def test_reference_engine_stops_at_the_first_of_any_stop_id() -> None:
-    from draft_opd_ray.rollout.reference import CausalLMDrafter, speculative_generate, target_generate
+    from draft_opd_ray.drafts.standalone.drafter import CausalLMDrafter
+    from draft_opd_ray.rollout.reference import speculative_generate, target_generate
     from tests.helpers import tiny_lm
 
     target, draft = tiny_lm(64, 0), tiny_lm(64, 1)
