@@ -144,28 +144,20 @@ def eval_stage(
     """The evaluation report (τ before/after, acceptance, speed-up, baselines), logged and printed; answers
     stop at any of ``stop`` (the target's eos ids). Its engines run in the reservation's rollout bundle 0 when
     there is one (`slot_call`)."""
-    from draft_opd_ray.eval.evaluate import evaluate
+    from draft_opd_ray.eval.evaluate import EvalRun, evaluate
     from draft_opd_ray.slot_call import call_in_slot
 
+    run = EvalRun(target, draft, held_out, run_dir / "eval", stop, before=before)
     report = call_in_slot(
         reservation,
         "eval: the engines",
         evaluate,
-        target=target,
-        draft_kind=cfg.draft.kind,
-        draft_path=draft,
-        k=cfg.draft.num_speculative_tokens,
-        datasets=held_out,
-        out_dir=run_dir / "eval",
-        max_new_tokens=cfg.eval.max_new_tokens,
-        stop_token_ids=stop,
-        concurrency=cfg.eval.concurrency,
-        baselines=cfg.eval.baselines,
-        max_model_len=cfg.target.max_model_len,
-        before=before,
-        dtype=cfg.target.dtype,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        tensor_parallel=cfg.cluster.rollout_tensor_parallel,
+        run,
+        cfg.eval,
+        cfg.draft,
+        cfg.target,
+        cfg.rollout,
+        cfg.cluster,
     )
     for name, e in report["datasets"].items():
         metrics.log(

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.checkpoint import write_text_atomic
+from draft_opd_ray.config.schema import ClusterConfig, DraftConfig, EvalConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval.stats import paired_diff
 from draft_opd_ray.eval.tau import measure_all, tau_entry
@@ -68,94 +70,116 @@ def _measure(
     return out
 
 
+@dataclass(frozen=True)
+class EvalRun:
+    """What only the run knows about an evaluation; the rest comes from `eval.*`, `draft.*`, `target.*`,
+    `rollout.*` and `cluster.*`. ``target``: the target's local folder. ``stop_token_ids``: the ids that end its
+    answers (`models.target.stop_token_ids`). ``before``: the draft the run started from (same kind and
+    vocabulary); its τ is measured in the same engine first (records and vLLM's counters, no speed runs) and
+    reported beside the final draft's. ``speed_prompts``: prompts of each speed run (at least the concurrency)."""
+
+    target: str | Path
+    draft_path: str | Path | None
+    datasets: dict[str, list[list[int]]]
+    out_dir: str | Path
+    stop_token_ids: Sequence[int]
+    before: str | Path | None = None
+    speed_prompts: int = 8
+
+
 def evaluate(
-    *,
-    target: str | Path,
-    draft_kind: str,
-    draft_path: str | Path | None,
-    k: int,
-    datasets: dict[str, list[list[int]]],
-    out_dir: str | Path,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int],
-    concurrency: Sequence[int] = (1,),
-    baselines: Sequence[str] = ("ngram",),
-    max_model_len: int = 2048,
-    speed_prompts: int = 8,
-    before: str | Path | None = None,
-    dtype: str = "float32",
-    gpu_memory_utilization: float = 0.5,
-    tensor_parallel: int = 1,
+    run: EvalRun,
+    cfg: EvalConfig,
+    draft: DraftConfig,
+    target: TargetConfig,
+    rollout: RolloutConfig,
+    cluster: ClusterConfig,
 ) -> dict[str, Any]:
-    """``stop_token_ids``: the ids that end the target's answers (`models.target.stop_token_ids`).
-    ``before``: the draft the run started from (same kind and vocabulary); its τ is measured in the same
-    engine first (records and vLLM's counters, no speed runs) and reported beside the final draft's.
-    Raises `DataError` before any engine starts when an eval set has no prompts. ``dtype``,
-    ``gpu_memory_utilization``, ``tensor_parallel``: each engine's, as the rollout engines serve the target
-    (`target.dtype`, `rollout.gpu_memory_utilization`, `cluster.rollout_tensor_parallel`)."""
-    check_datasets(datasets)
-    out = Path(out_dir)
+    """Measure the draft, each of `eval.baselines` and the plain target on every eval set, one engine at a time;
+    write the report. Raises `DataError` before any engine starts when an eval set has no prompts. Each engine
+    serves the target as the rollout engines do (`target.dtype`, `rollout.gpu_memory_utilization`,
+    `cluster.rollout_tensor_parallel`)."""
+    check_datasets(run.datasets)
+    out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
-    methods = (
-        [(draft_kind, str(draft_path) if draft_path else None)]
-        + [(b, None) for b in baselines]
-        + [(BASELINES[0], None)]
-    )
-    results: dict[str, dict[str, Any]] = {name: {} for name in datasets}
+    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(run.stop_token_ids))
+    draft_path = str(run.draft_path) if run.draft_path else None
+    methods = [(draft.kind, draft_path)] + [(b, None) for b in cfg.baselines] + [(BASELINES[0], None)]
+    results: dict[str, dict[str, Any]] = {name: {} for name in run.datasets}
     tau_before: dict[str, dict[str, Any]] = {}
     for kind, path in methods:
-        first = str(before) if before is not None and kind == draft_kind else path
 
-        def start(draft: str | None, record: bool, kind: str = kind) -> SpecDecodeEngine:
+        def start(weights: str | None, record: bool, kind: str = kind) -> SpecDecodeEngine:
             return SpecDecodeEngine(
-                target,
+                run.target,
                 draft_kind=kind,
-                draft_path=draft,
-                num_speculative_tokens=k,
-                max_model_len=max_model_len,
-                dtype=dtype,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel=tensor_parallel,
+                draft_path=weights,
+                num_speculative_tokens=draft.num_speculative_tokens,
+                max_model_len=target.max_model_len,
+                dtype=target.dtype,
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
+                tensor_parallel=cluster.rollout_tensor_parallel,
                 record=record,
                 cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
             )
 
-        engine = start(first, record=True)
-        try:
-            if first != path:
-                from safetensors.torch import load_file
-
-                for name, prompts in datasets.items():
-                    tau_before[name] = tau_entry(*measure_all(engine, prompts, sampling))
-                    print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
-                assert path is not None
-                engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
-            measured = {name: measure_all(engine, prompts, sampling) for name, prompts in datasets.items()}
-            if engine.record and async_by_default():
-                # speed as served: recording needs synchronous scheduling, vLLM's default on GPUs is async
-                engine.shutdown()
-                engine = start(path, record=False)
-            for name, prompts in datasets.items():
-                res = _measure(engine, prompts, sampling, k, concurrency, speed_prompts, measured[name])
-                results[name][kind] = res
-        finally:
-            engine.shutdown()
+        first = str(run.before) if run.before is not None and kind == draft.kind else path
+        per_set = _measure_method(
+            start, first, path, run, cfg, draft.num_speculative_tokens, sampling, tau_before
+        )
+        for name, res in per_set.items():
+            results[name][kind] = res
     report = build_report(
-        target=target,
-        draft_kind=draft_kind,
-        draft_path=draft_path,
-        before=before,
-        k=k,
+        target=run.target,
+        draft_kind=draft.kind,
+        draft_path=run.draft_path,
+        before=run.before,
+        k=draft.num_speculative_tokens,
         results=results,
         tau_before=tau_before,
-        concurrency=concurrency,
+        concurrency=cfg.concurrency,
     )
     write_text_atomic(out / "report.json", json.dumps(finite(report), indent=2, allow_nan=False) + "\n")
     write_text_atomic(out / "report.md", render_markdown(report))
     plot_acceptance(report, out)
     plot_speedup(report, out)
     return report
+
+
+def _measure_method(
+    start: Callable[[str | None, bool], SpecDecodeEngine],
+    first: str | None,
+    path: str | None,
+    run: EvalRun,
+    cfg: EvalConfig,
+    k: int,
+    sampling: Sampling,
+    tau_before: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """One method on every eval set: `_measure`'s entry by set name. ``start(weights, record)`` builds its engine;
+    ``first`` != ``path``: the before-draft's τ is measured first (into ``tau_before``), then the final weights
+    are loaded into the same engine."""
+    engine = start(first, True)
+    try:
+        if first != path:
+            from safetensors.torch import load_file
+
+            for name, prompts in run.datasets.items():
+                tau_before[name] = tau_entry(*measure_all(engine, prompts, sampling))
+                print(f"[eval] {name}: before τ {tau_before[name]['tau']:.3f}", flush=True)
+            assert path is not None
+            engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), 1)
+        measured = {name: measure_all(engine, prompts, sampling) for name, prompts in run.datasets.items()}
+        if engine.record and async_by_default():
+            # speed as served: recording needs synchronous scheduling, vLLM's default on GPUs is async
+            engine.shutdown()
+            engine = start(path, False)
+        return {
+            name: _measure(engine, prompts, sampling, k, cfg.concurrency, run.speed_prompts, measured[name])
+            for name, prompts in run.datasets.items()
+        }
+    finally:
+        engine.shutdown()
 
 
 def check_datasets(datasets: dict[str, list[list[int]]]) -> None:

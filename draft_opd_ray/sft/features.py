@@ -39,6 +39,33 @@ from draft_opd_ray.device import actor_device, resolve_dtype
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, eq=False)
+class FeatureSpec:
+    """What a feature pass computes (module docstring): the inputs of the head's aux layers ``aux_layer_ids``, the
+    teacher's top ``topk`` over the draft vocabulary ``draft_ids``; features stored in ``dtype``, the target run
+    in ``forward`` (None: `forward_dtype()`)."""
+
+    aux_layer_ids: Sequence[int]
+    draft_ids: torch.Tensor
+    topk: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    forward: torch.dtype | None = None
+
+
+def _alone() -> None:
+    """The barrier of a group of one: nothing to wait for."""
+
+
+@dataclass(frozen=True)
+class PassShare:
+    """This process's share of a feature pass a data-parallel group computes together: rank ``rank`` of
+    ``world_size``; ``barrier`` (every rank of the group calls it) returns once all ranks reached it."""
+
+    rank: int = 0
+    world_size: int = 1
+    barrier: Callable[[], None] = _alone
+
+
 @dataclass
 class SeqFeatures:
     """Features of one sequence (see the module docstring); rows are positions 0..T-1."""
@@ -237,32 +264,26 @@ class FeatureCache:
         seqs: Sequence[Sequence[int]],
         prompt_lens: Sequence[int],
         folder: Path,
-        aux_layer_ids: Sequence[int],
-        draft_ids: torch.Tensor,
+        spec: FeatureSpec,
+        share: PassShare = PassShare(),
         *,
-        topk: int = 16,
-        dtype: torch.dtype = torch.bfloat16,
-        forward: torch.dtype | None = None,
         batch_tokens: int = 4096,
         shard_bytes: int = 512 * 2**20,
-        rank: int = 0,
-        world_size: int = 1,
-        barrier: Callable[[], None] = lambda: None,
     ) -> FeatureCache:
-        """Compute (or reuse) the cache folder ``folder``. ``forward``: the target's precision (default:
-        `forward_dtype()`), ``dtype``: the stored features'. With several ranks each computes the shards
+        """Compute (or reuse) the cache folder ``folder``. With several ranks (``share``) each computes the shards
         ``j % world_size == rank`` that are not on disk yet (a killed pass keeps its finished shards), then
         ``barrier()`` (every rank of the group calls it) waits for the others before rank 0 writes the index."""
+        rank, world_size = share.rank, share.world_size
         if not (folder / INDEX).is_file():
             from draft_opd_ray.models.target import read_target_info
 
-            width = len(aux_layer_ids) * read_target_info(target).hidden_size
+            width = len(spec.aux_layer_ids) * read_target_info(target).hidden_size
             lengths = [len(s) for s in seqs]
-            plan = plan_shards(lengths, row_bytes(width, topk, dtype), shard_bytes)
+            plan = plan_shards(lengths, row_bytes(width, spec.topk, spec.dtype), shard_bytes)
             todo = [j for j in range(rank, len(plan), world_size) if not (folder / _shard_name(j)).is_file()]
             if todo:
                 folder.mkdir(parents=True, exist_ok=True)
-                model = load_hf_target(target, forward)
+                model = load_hf_target(target, spec.forward)
                 start, tokens = time.monotonic(), sum(sum(lengths[slice(*plan[j])]) for j in todo)
                 bar = tqdm(total=tokens, desc="target features", unit="tok", disable=rank != 0)
                 for j in todo:
@@ -272,10 +293,10 @@ class FeatureCache:
                         seqs[lo:hi],
                         prompt_lens[lo:hi],
                         folder / _shard_name(j),
-                        aux_layer_ids,
-                        draft_ids,
-                        topk=topk,
-                        dtype=dtype,
+                        spec.aux_layer_ids,
+                        spec.draft_ids,
+                        topk=spec.topk,
+                        dtype=spec.dtype,
                         batch_tokens=batch_tokens,
                         width=width,
                     )
@@ -287,12 +308,12 @@ class FeatureCache:
                 del model
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # the target's memory goes back before the draft trains
-            barrier()
+            share.barrier()
             if rank == 0:
                 tmp = folder / (INDEX + ".tmp")
                 tmp.write_text(json.dumps({"shards": plan, "lengths": lengths}))
                 os.replace(tmp, folder / INDEX)
-            barrier()
+            share.barrier()
         return cls(folder, prompt_lens)
 
 

@@ -48,7 +48,9 @@ from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
 from draft_opd_ray.sft.features import (
     FeatureCache,
+    FeatureSpec,
     OnTheFlyFeatures,
+    PassShare,
     SeqFeatures,
     forward_dtype,
     length_batches,
@@ -359,20 +361,9 @@ def _feature_source(
     topk = job.teacher.kept(len(draft_ids))
     forward = forward_dtype(job.teacher.dtype)
     if job.feature_mode == "cache":
-        return FeatureCache.build(
-            target,
-            seqs,
-            plens,
-            _cache_path(trajectories, recipe, job),
-            aux,
-            draft_ids,
-            topk=topk,
-            dtype=_DTYPES[resolve_dtype(job.learner.dtype)],
-            forward=forward,
-            rank=world()[0],
-            world_size=world()[1],
-            barrier=_barrier,
-        )
+        spec = FeatureSpec(aux, draft_ids, topk, _DTYPES[resolve_dtype(job.learner.dtype)], forward)
+        share = PassShare(*world(), barrier=_barrier)
+        return FeatureCache.build(target, seqs, plens, _cache_path(trajectories, recipe, job), spec, share)
     if job.feature_mode == "on_the_fly":
         return OnTheFlyFeatures(target, seqs, plens, aux, draft_ids, topk, forward)
     raise ValueError(f"feature_mode must be 'cache' or 'on_the_fly', got {job.feature_mode!r}")

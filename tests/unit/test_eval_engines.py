@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from draft_opd_ray.config.schema import ClusterConfig, DraftConfig, EvalConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.eval import evaluate as ev
 from draft_opd_ray.wire import RequestRecord
 
@@ -46,24 +47,19 @@ def test_speed_runs_use_vllm_default_scheduling(
     monkeypatch.setattr(ev, "async_by_default", lambda: gpu)
     prompts = [[1, 2, 3]] * 4
     ev.evaluate(
-        target="t",
-        draft_kind="ngram",
-        draft_path=None,
-        k=2,
-        datasets={"a": prompts},
-        out_dir=tmp_path,
-        max_new_tokens=3,
-        stop_token_ids=(),
-        baselines=(),
-        speed_prompts=4,
-        dtype="bfloat16",
+        ev.EvalRun("t", "draft", {"a": prompts}, tmp_path, (), speed_prompts=4),
+        EvalConfig(max_new_tokens=3, concurrency=[1], baselines=[]),
+        DraftConfig(kind="eagle3", num_speculative_tokens=2),
+        TargetConfig(dtype="bfloat16"),
+        RolloutConfig(),
+        ClusterConfig(),
     )
     built = [(e.kind, e.record) for e in _Engine.built]
     if gpu:  # the draft: τ recorded, then speed on a non-recording engine; the plain target never records
-        assert built == [("ngram", True), ("ngram", False), ("none", False)]
+        assert built == [("eagle3", True), ("eagle3", False), ("none", False)]
         recording, serving = _Engine.built[:2]
         assert recording.runs == [4] and serving.runs == [1] * 5  # τ; then warm-up + 4 speed runs at c=1
     else:  # CPU: vLLM is synchronous anyway, one engine measures both
-        assert built == [("ngram", True), ("none", False)]
+        assert built == [("eagle3", True), ("none", False)]
         assert _Engine.built[0].runs == [4] + [1] * 5
     assert all(e.kw["dtype"] == "bfloat16" for e in _Engine.built)

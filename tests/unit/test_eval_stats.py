@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from draft_opd_ray.config.schema import ClusterConfig, DraftConfig, EvalConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval import evaluate as ev
 from draft_opd_ray.eval.stats import (
@@ -238,17 +239,14 @@ def _evaluate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, datasets: dict[st
     monkeypatch.setattr(ev, "SpecDecodeEngine", FakeEngine)
     monkeypatch.setattr(safetensors.torch, "load_file", lambda path: {})
     return ev.evaluate(
-        target="tgt",
-        draft_kind="eagle3",
-        draft_path=str(tmp_path / "after"),
-        before=str(tmp_path / "before"),
-        k=4,
-        datasets=datasets,
-        out_dir=tmp_path / "eval",
-        max_new_tokens=16,
-        stop_token_ids=(),
-        concurrency=(1, 2),
-        baselines=("ngram",),
+        ev.EvalRun(
+            "tgt", str(tmp_path / "after"), datasets, tmp_path / "eval", (), before=str(tmp_path / "before")
+        ),
+        EvalConfig(max_new_tokens=16, concurrency=[1, 2], baselines=["ngram"]),
+        DraftConfig(kind="eagle3", num_speculative_tokens=4),
+        TargetConfig(),
+        RolloutConfig(),
+        ClusterConfig(),
     )
 
 

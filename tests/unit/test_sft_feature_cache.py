@@ -15,6 +15,8 @@ import draft_opd_ray.sft.features as features
 from draft_opd_ray.sft.features import (
     INDEX,
     FeatureCache,
+    FeatureSpec,
+    PassShare,
     load_hf_target,
     plan_shards,
     row_bytes,
@@ -35,20 +37,11 @@ def _seqs() -> tuple[list[list[int]], list[int]]:
     return seqs, [5] * len(seqs)
 
 
-def _build(target: Path, folder: Path, shard_bytes: int, **kw: Any) -> FeatureCache:
+def _build(target: Path, folder: Path, shard_bytes: int, share: PassShare | None = None) -> FeatureCache:
     seqs, plens = _seqs()
+    spec = FeatureSpec(AUX, torch.arange(256), topk=TOPK, dtype=torch.float32, forward=torch.float32)
     return FeatureCache.build(
-        target,
-        seqs,
-        plens,
-        folder,
-        AUX,
-        torch.arange(256),
-        topk=TOPK,
-        dtype=torch.float32,
-        forward=torch.float32,
-        shard_bytes=shard_bytes,
-        **kw,
+        target, seqs, plens, folder, spec, share or PassShare(), shard_bytes=shard_bytes
     )
 
 
@@ -105,12 +98,12 @@ def test_ranks_share_the_feature_pass_into_the_same_cache(tiny_target: Path, tmp
 
     # rank 1 of 2 writes the odd shards, then waits for rank 0 (stopped here)
     with pytest.raises(Stop):
-        _build(tiny_target, tmp_path / "two", _shard_bytes(), rank=1, world_size=2, barrier=stop)
+        _build(tiny_target, tmp_path / "two", _shard_bytes(), PassShare(1, 2, stop))
     n = len(one.shards)
     names = {p.name for p in (tmp_path / "two").iterdir()}
     assert names == {f"shard_{j:05d}.safetensors" for j in range(1, n, 2)}
     # rank 0 writes the even ones and the index; the cache is the one process's
-    two = _build(tiny_target, tmp_path / "two", _shard_bytes(), rank=0, world_size=2)
+    two = _build(tiny_target, tmp_path / "two", _shard_bytes(), PassShare(0, 2))
     assert two.shards == one.shards and len(list((tmp_path / "two").glob("shard_*"))) == n
     for i in range(len(one)):
         a, b = one.get(i), two.get(i)

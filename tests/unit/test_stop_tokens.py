@@ -13,7 +13,17 @@ from typing import Any
 
 import pytest
 
-from draft_opd_ray.config.schema import Config, DataConfig, PromptSetConfig, TargetConfig, WandbConfig
+from draft_opd_ray.config.schema import (
+    ClusterConfig,
+    Config,
+    DataConfig,
+    DraftConfig,
+    EvalConfig,
+    PromptSetConfig,
+    RolloutConfig,
+    TargetConfig,
+    WandbConfig,
+)
 from draft_opd_ray.models.target import read_target_info, stop_token_ids, target_stop_token_ids
 
 STOPS = (300, 301, 302)
@@ -108,8 +118,8 @@ def test_every_stage_gets_every_stop_id_of_the_target(
         got["opd"] = stop
         return tmp_path / "opd_draft"
 
-    def evaluate(**kw: Any) -> dict[str, Any]:
-        got["eval"] = kw["stop_token_ids"]
+    def evaluate(run: Any, *configs: Any) -> dict[str, Any]:
+        got["eval"] = run.stop_token_ids
         (tmp_path / "run" / "eval").mkdir(parents=True)
         (tmp_path / "run" / "eval" / "report.md").write_text("report\n")
         return {"datasets": {}}
@@ -175,13 +185,10 @@ def test_eval_samples_with_every_stop_id(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(ev, "SpecDecodeEngine", Engine)
     with pytest.raises(Stop):
         ev.evaluate(
-            target="t",
-            draft_kind="eagle3",
-            draft_path=None,
-            k=2,
-            datasets={"d": [[1, 2]]},
-            out_dir=tmp_path,
-            max_new_tokens=4,
-            stop_token_ids=STOPS,
-            baselines=(),
+            ev.EvalRun("t", None, {"d": [[1, 2]]}, tmp_path, STOPS),
+            EvalConfig(max_new_tokens=4, concurrency=[1], baselines=[]),
+            DraftConfig(kind="eagle3", num_speculative_tokens=2),
+            TargetConfig(),
+            RolloutConfig(),
+            ClusterConfig(),
         )
