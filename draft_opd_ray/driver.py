@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draft_opd_ray.config.schema import Config, PromptSetConfig
+from draft_opd_ray.config.schema import Config, PromptSetConfig, eval_sets
 from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.metrics import MetricsLogger
 from draft_opd_ray.placement import PlacementPlan
@@ -51,22 +51,6 @@ def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
     if cfg.draft.path is not None:
         kind.check_folder(target, cfg.draft.path)
     return str(target), AutoTokenizer.from_pretrained(target), info
-
-
-def extra_eval_set(cfg: Config, name: str) -> PromptSetConfig:
-    """`eval.extra_sets` entries: humaneval, or validation = data.train's source on its held-out split."""
-    n = cfg.data.eval.max_prompts
-    if name == "humaneval":
-        return PromptSetConfig(source="humaneval", split="all", max_prompts=n)
-    return dataclasses.replace(cfg.data.train, split="eval", max_prompts=n)
-
-
-def eval_sets(cfg: Config) -> dict[str, PromptSetConfig]:
-    """The evaluation's prompt sets by report name: data.eval, then `eval.extra_sets`."""
-    sets = {cfg.data.eval.source: cfg.data.eval}
-    for name in cfg.eval.extra_sets:
-        sets.setdefault(name, extra_eval_set(cfg, name))
-    return sets
 
 
 def load_prompts(cfg: Config, tokenizer: Any, which: str | PromptSetConfig) -> list[list[int]]:

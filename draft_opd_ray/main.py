@@ -22,9 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 from draft_opd_ray.checkpoint import real_path
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import register_configs, resumed_config, to_config
-from draft_opd_ray.config.validate import check_resumable, check_run_dir, validate
 from draft_opd_ray.errors import DraftOPDError, RunError
 from draft_opd_ray.placement import PlacementPlan
+from draft_opd_ray.preflight import check_resumable, check_run_dir, validate
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1

@@ -1,14 +1,14 @@
 """Typed configuration: every default lives here, once. YAML files under `conf/` only override.
 
 Each dataclass checks its own fields in `__post_init__` (raising ConfigError that names the dotted key);
-checks that span several nodes live in `draft_opd_ray.config.validate`. Hydra composes `conf/config.yaml`
+checks that span several nodes, or touch files, models and the cluster, live in `draft_opd_ray.preflight`. Hydra composes `conf/config.yaml`
 over these nodes (see `draft_opd_ray.config.store`), so a typo'd key or a wrong type is rejected by
 OmegaConf before our code runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from draft_opd_ray.errors import ConfigError
 
@@ -552,3 +552,19 @@ class Config:
         _check(order == list(self.stages), "stages", f"must keep the order {list(STAGES)}, got {self.stages}")
         if self.cache_dir is None and self.cluster.storage_dir is not None:
             self.cache_dir = f"{self.cluster.storage_dir.rstrip('/')}/cache"  # every node sees the same cache
+
+
+def extra_eval_set(cfg: Config, name: str) -> PromptSetConfig:
+    """`eval.extra_sets` entries: humaneval, or validation = data.train's source on its held-out split."""
+    n = cfg.data.eval.max_prompts
+    if name == "humaneval":
+        return PromptSetConfig(source="humaneval", split="all", max_prompts=n)
+    return replace(cfg.data.train, split="eval", max_prompts=n)
+
+
+def eval_sets(cfg: Config) -> dict[str, PromptSetConfig]:
+    """The evaluation's prompt sets by report name: data.eval, then `eval.extra_sets`."""
+    sets = {cfg.data.eval.source: cfg.data.eval}
+    for name in cfg.eval.extra_sets:
+        sets.setdefault(name, extra_eval_set(cfg, name))
+    return sets

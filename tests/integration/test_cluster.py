@@ -151,7 +151,7 @@ def test_reservation_binds_bundles_to_the_plan_nodes(joined: LocalCluster) -> No
 
     from draft_opd_ray.cluster import live_nodes, reserve
     from draft_opd_ray.config.store import compose
-    from draft_opd_ray.config.validate import plan_for
+    from draft_opd_ray.placement import plan_for
 
     plan = plan_for(compose(["+cluster=cpu_2node"]))
     nodes = live_nodes(ray.nodes())
@@ -289,7 +289,7 @@ def test_two_node_run_places_every_slot_where_the_plan_says(
 
     from draft_opd_ray.cluster import live_nodes
     from draft_opd_ray.config.store import compose
-    from draft_opd_ray.config.validate import plan_for
+    from draft_opd_ray.placement import plan_for
 
     run_dir = local_cluster.storage / "runs" / "two_node"
     overrides = [

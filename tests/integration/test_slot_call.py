@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.config.validate import plan_for
 from draft_opd_ray.errors import DataError
+from draft_opd_ray.placement import plan_for
 from draft_opd_ray.slot_call import call_in_slot
 
 pytestmark = pytest.mark.ray

@@ -21,9 +21,9 @@ from draft_opd_ray.cluster import (
 )
 from draft_opd_ray.config.schema import ClusterConfig
 from draft_opd_ray.config.store import compose
-from draft_opd_ray.config.validate import check_run_dir, plan_for, validate
 from draft_opd_ray.errors import ClusterError, ConfigError
-from draft_opd_ray.placement import build_plan
+from draft_opd_ray.placement import build_plan, plan_for
+from draft_opd_ray.preflight import check_run_dir, validate
 
 
 def ray_node(node_id: str, cpus: float, head: bool = False, alive: bool = True, gpus: float = 0) -> dict:

@@ -12,9 +12,9 @@ import pytest
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import compose
-from draft_opd_ray.config.validate import validate
 from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.preflight import validate
 from tests import helpers
 
 

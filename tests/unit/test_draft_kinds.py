@@ -12,11 +12,11 @@ import torch
 
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.config.store import compose
-from draft_opd_ray.config.validate import validate
 from draft_opd_ray.drafts import registry
 from draft_opd_ray.drafts.recipe import RecipeInputs
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.optim import trainable_parameters
+from draft_opd_ray.preflight import validate
 from draft_opd_ray.rollout.engine import speculative_config
 from draft_opd_ray.sft.features import SeqFeatures
 from draft_opd_ray.sft.trainer import collate

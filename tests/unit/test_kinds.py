@@ -55,7 +55,7 @@ def test_unknown_kind_is_refused_by_validation_before_torch_loads() -> None:
     code = (
         "import sys\n"
         "from draft_opd_ray.config.store import compose\n"
-        "from draft_opd_ray.config.validate import validate\n"
+        "from draft_opd_ray.preflight import validate\n"
         "from draft_opd_ray.errors import ConfigError\n"
         "try:\n"
         "    validate(compose(['draft.kind=x']))\n"

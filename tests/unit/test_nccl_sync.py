@@ -10,9 +10,10 @@ import re
 import pytest
 
 from draft_opd_ray.config.store import compose
-from draft_opd_ray.config.validate import plan_for, validate
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.loop.opd import make_weight_sync
+from draft_opd_ray.placement import plan_for
+from draft_opd_ray.preflight import validate
 from draft_opd_ray.sync.nccl import plan_weight_sync, sender_shared_gpu
 from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 from tests import helpers

@@ -7,9 +7,8 @@ from collections import Counter
 import pytest
 
 from draft_opd_ray.config.store import compose
-from draft_opd_ray.config.validate import plan_for
 from draft_opd_ray.errors import ConfigError
-from draft_opd_ray.placement import build_plan
+from draft_opd_ray.placement import build_plan, plan_for
 
 
 @pytest.mark.parametrize("cluster", ["local", "8xA100", "2x8xH100"])

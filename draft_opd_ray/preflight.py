@@ -1,4 +1,5 @@
-"""Checks that span several config nodes or touch the file system. Run before Ray starts or a model loads.
+"""Preflight: checks a run against its data, models, placement and serving engine before Ray starts or a model
+loads (each config node checks its own fields in `config/schema.py`; what spans nodes or touches files is here).
 
 Cheap by construction: reads config.json files and prompt-file headers, never weights.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draft_opd_ray.config.schema import Config
+from draft_opd_ray.config.schema import Config, eval_sets
 from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.placement import PlacementPlan, plan_for
@@ -84,8 +85,6 @@ def _check_data(cfg: Config) -> None:
     if "sft" in cfg.stages or "opd" in cfg.stages:
         check_prompt_source(cfg.data.train, key="data.train")
     if "eval" in cfg.stages:
-        from draft_opd_ray.driver import eval_sets
-
         for name, sub in eval_sets(cfg).items():
             check_prompt_source(sub, key="data.eval" if sub is cfg.data.eval else f"eval.extra_sets ({name})")
 
@@ -104,11 +103,7 @@ def _check_training(cfg: Config) -> None:
     """What the sft/opd stages can run today, refused before anything loads."""
     if "opd" not in cfg.stages:
         return
-    if (
-        not draft_kind(cfg.draft.kind).starts_fresh
-        and cfg.draft.path is None
-        and "sft" not in cfg.stages
-    ):
+    if not draft_kind(cfg.draft.kind).starts_fresh and cfg.draft.path is None and "sft" not in cfg.stages:
         raise ConfigError(
             f"draft.path: the opd stage post-trains an existing {cfg.draft.kind} draft; give its folder "
             "(only an eagle3 head can start from scratch)"
