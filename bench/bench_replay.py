@@ -108,10 +108,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from draft_opd_ray.cache import default_cache_dir
+    from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
     from draft_opd_ray.data.prompts import prompt_ids
     from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.target import target_stop_token_ids
-    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
     from draft_opd_ray.sft.data import generate_trajectories, read_trajectories
 
     target = ensure_embedded_target()
@@ -125,7 +126,13 @@ def main() -> None:
         )
     )
     trajs = [t for t in trajs if len(t.response_ids) >= args.min_response][: args.sequences]
-    actor = ReplayActor(str(target), aux_layer_ids=[2, 15, 27], draft_ids=None, k=args.k)
+    configs = (
+        DraftConfig(num_speculative_tokens=args.k),
+        TeacherConfig(dtype="float32", topk=None),  # the full payload
+        LossConfig(),
+        ReplayConfig(),
+    )
+    actor = ReplayActor(ReplayRun(str(target), [2, 15, 27], None), *configs)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     rng = random.Random(0)
     rows = []

@@ -17,6 +17,7 @@ is the benchmark line's other command (docs/benchmarks.md, T-threads).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -55,15 +56,14 @@ def main() -> None:
     add_result_args(ap)
     args = ap.parse_args()
 
-    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
-
     from draft_opd_ray.cache import default_cache_dir
-    from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.config.schema import Config, DraftConfig, LearnerConfig, ReplayConfig, TeacherConfig
     from draft_opd_ray.device import node_threads
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.target import read_target_info
-    from draft_opd_ray.opd.learner import Learner
-    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.learner import Learner, LearnerRun
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
 
     target = ensure_embedded_target()
     n_target = read_target_info(target).num_layers
@@ -73,31 +73,26 @@ def main() -> None:
     if not (draft / "config.json").exists():
         build_standalone_from_target(target, draft, layer_ids=layer_ids)
     batch = items(args.sequences, args.k)
-    cfg, o = Config(), Config().optim
+    cfg = Config()
+    draft_cfg = DraftConfig(kind="standalone", num_speculative_tokens=args.k)
+    optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0, schedule="constant")
+    learner_cfg = LearnerConfig(zero_stage=cfg.learner.zero_stage, dtype="float32")
+    replay_cfgs = (
+        TeacherConfig(dtype="float32", topk=16),
+        dataclasses.replace(cfg.loss, draft_topm=0),
+        ReplayConfig(),
+    )
     cores = node_threads()
     times: dict[int, tuple[float, float]] = {}
     teacher, weights = {}, {}
     for threads in (1, cores):
         torch.set_num_threads(threads)
-        replay = ReplayActor(str(target), aux_layer_ids=[], draft_ids=None, k=args.k, payload="topk", topk=16)
+        replay = ReplayActor(ReplayRun(str(target), [], None), draft_cfg, *replay_cfgs)
         t0 = time.perf_counter()
         teacher[threads] = replay.score(batch)
         t1 = time.perf_counter()
-        learner = Learner(
-            str(draft),
-            str(target),
-            kind="standalone",
-            spec=cfg.loss,
-            lr=o.lr,
-            betas=o.betas,
-            weight_decay=o.weight_decay,
-            warmup_ratio=0.0,
-            schedule="constant",
-            total_steps=len(batch),
-            zero_stage=cfg.learner.zero_stage,
-            grad_clip=o.grad_clip,
-            dtype="float32",
-        )
+        run = LearnerRun(str(draft), str(target), total_steps=len(batch))
+        learner = Learner(run, draft_cfg, cfg.loss, optim, learner_cfg)
         t2 = time.perf_counter()
         learner.step(teacher[1], mini_batches=len(batch))
         times[threads] = (t1 - t0, time.perf_counter() - t2)

@@ -85,10 +85,10 @@ class ReplayCase:
     def replay(self, kind: str, draft: Path, **kwargs: Any) -> Any:
         """A replay actor shipping what ``kind``'s student needs (`DraftKind.replay_needs`: features, vocabulary)."""
         from draft_opd_ray.drafts.registry import draft_kind
-        from draft_opd_ray.opd.replay import ReplayActor
+        from tests.helpers import replay_actor
 
         feats, ids = draft_kind(kind).replay_needs(str(draft), str(self.target))
-        return ReplayActor(str(self.target), aux_layer_ids=feats, draft_ids=ids, k=self.k, **kwargs)
+        return replay_actor(self.target, feats, ids, self.k, kind=kind, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,67 @@ REPO = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------------------------------
 
 
+def replay_configs(
+    kind: str,
+    k: int,
+    *,
+    payload: str = "full",
+    topk: int = 32,
+    dtype: str = "float32",
+    teacher: bool = True,
+    mode: str = "recorded",
+    draft_topm: int = 0,
+) -> tuple[Any, Any, Any, Any]:
+    """(draft, teacher, loss, replay) configs of a replay actor, from the payload it ships: "full" (teacher.topk
+    null) or "topk" (the top ``topk``); ``teacher=False`` is `loss.objective=sft_on_rollouts`; ``draft_topm`` is
+    `loss.draft_topm` (used with the topk payload)."""
+    from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
+
+    return (
+        DraftConfig(kind=kind, num_speculative_tokens=k),
+        TeacherConfig(dtype=dtype, topk=None if payload == "full" else topk),
+        LossConfig(objective="opd" if teacher else "sft_on_rollouts", draft_topm=draft_topm),
+        ReplayConfig(mode=mode),
+    )
+
+
+def replay_actor(
+    target: str | os.PathLike[str],
+    aux_layer_ids: Sequence[int],
+    draft_ids: Sequence[int] | None,
+    k: int,
+    *,
+    kind: str = "eagle3",
+    draft_dir: str | None = None,
+    cpu_share: tuple[int, int] | None = None,
+    **settings: Any,
+) -> Any:
+    """A `ReplayActor` on ``target`` with blocks of ``k``; ``settings``: `replay_configs`'s."""
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
+
+    run = ReplayRun(str(target), aux_layer_ids, draft_ids, draft_dir, cpu_share=cpu_share)
+    return ReplayActor(run, *replay_configs(kind, k, **settings))
+
+
+def learner_configs(
+    kind: str = "eagle3",
+    estimator: str = "full",
+    objective: str = "opd",
+    lr: float = 3e-3,
+    dtype: str = "float32",
+    **learner: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """(draft, loss, optim, learner) configs of a test learner: constant lr, no warm-up, fp32 unless told."""
+    from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, LossConfig, OptimConfig
+
+    return (
+        DraftConfig(kind=kind),
+        LossConfig(estimator=estimator, objective=objective),
+        OptimConfig(lr=lr, warmup_ratio=0.0, schedule="constant", betas=[0.9, 0.95], weight_decay=0.0),
+        LearnerConfig(dtype=dtype, **learner),
+    )
+
+
 def synth(rng: random.Random, k: int = 4, steps: int = 6, prompt_len: int = 5) -> RequestRecord:
     """A consistent record built step by step, the way an engine commits tokens."""
     prompt = [rng.randrange(100) for _ in range(prompt_len)]

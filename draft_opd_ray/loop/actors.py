@@ -11,17 +11,21 @@ LearnerGroup   one step on the L ranks: each mini-batch group split over the ran
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from draft_opd_ray.config.schema import Config
+from draft_opd_ray.config.schema import Config, DraftConfig, LearnerConfig, LossConfig, OptimConfig
 from draft_opd_ray.distributed import balanced_shards
 from draft_opd_ray.errors import RunError
 from draft_opd_ray.placement import DRIVER, LEARNER, REPLAY, ROLLOUT, ActorSlot, PlacementPlan
 from draft_opd_ray.waits import wait_for, when_back
 from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, replay_cost
+
+if TYPE_CHECKING:
+    from draft_opd_ray.opd.learner import LearnerRun
 
 Options = Callable[[str, int], dict[str, Any]]  # (role, rank) -> Ray actor options in that slot's bundle
 
@@ -287,28 +291,12 @@ def _rollout_workers(
     ]
 
 
-def replay_draft_topm(cfg: Config) -> int:
-    """`loss.draft_topm` where it is used: Draft-OPD's topk estimator (the controls train on committed tokens)."""
-    used = cfg.loss.objective == "opd" and cfg.loss.estimator == "topk" and cfg.teacher.topk is not None
-    return cfg.loss.draft_topm if used else 0
-
-
 def replay_holds_draft(cfg: Config) -> bool:
     """Whether the replay actors hold a copy of the current draft (a weight receiver): to redraft the blocks, or
-    to find the draft's own top-m ids."""
-    return cfg.replay.mode == "redraft" or replay_draft_topm(cfg) > 0
+    to find the draft's own top-m ids (`opd.replay.replay_draft_topm`)."""
+    from draft_opd_ray.opd.replay import replay_draft_topm
 
-
-def replay_teacher(cfg: Config) -> dict[str, Any]:
-    """The replay's teacher from `cfg.teacher`, the setting the SFT feature pass reads too: the target's
-    precision and the probabilities kept per position (top-k, or the whole draft vocabulary). The precision goes
-    as configured: the replay actor resolves ``auto`` on its own node (a CPU-only head would say float32)."""
-    full = cfg.teacher.topk is None
-    return {
-        "dtype": cfg.teacher.dtype,
-        "payload": "full" if full else "topk",
-        "topk": cfg.teacher.topk or 1,
-    }
+    return cfg.replay.mode == "redraft" or replay_draft_topm(cfg.loss, cfg.teacher) > 0
 
 
 def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, int] | None:
@@ -331,26 +319,15 @@ def _replay_actor(
     import ray
 
     from draft_opd_ray.drafts.registry import draft_kind
-    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
 
     feature_ids, draft_ids = draft_kind(cfg.draft.kind).replay_needs(draft_dir, target)
+    threads = 1 if cfg.cluster.gpus_per_node == 0 else None
+    run = ReplayRun(target, feature_ids, draft_ids, draft_dir, num_threads=threads, cpu_share=share)
     return (
         ray.remote(ReplayActor)
         .options(**options, max_restarts=cfg.cluster.max_restarts)
-        .remote(
-            target,
-            aux_layer_ids=feature_ids,
-            draft_ids=draft_ids,
-            k=cfg.draft.num_speculative_tokens,
-            num_threads=1 if cfg.cluster.gpus_per_node == 0 else None,
-            cpu_share=share,
-            **replay_teacher(cfg),
-            teacher=cfg.loss.objective != "sft_on_rollouts",
-            mode=cfg.replay.mode,
-            draft_topm=replay_draft_topm(cfg),
-            draft_kind=cfg.draft.kind,
-            draft_dir=draft_dir,
-        )
+        .remote(run, cfg.draft, cfg.teacher, cfg.loss, cfg.replay)
     )
 
 
@@ -363,32 +340,16 @@ def _learner_ranks(
     opts: Options,
     cpu: bool,
 ) -> tuple[list[Any], int]:
-    o = cfg.optim
-    settings: dict[str, Any] = dict(
-        kind=cfg.draft.kind,
-        spec=cfg.loss,
-        objective=cfg.loss.objective,
-        lr=o.lr,
-        betas=o.betas,
-        weight_decay=o.weight_decay,
-        warmup_ratio=o.warmup_ratio,
-        schedule=o.schedule,
-        total_steps=total_updates,
-        zero_stage=cfg.learner.zero_stage,
-        grad_clip=o.grad_clip,
-        dtype=cfg.learner.dtype,  # `auto` is resolved by each rank on its node
-        train_lm_head=cfg.draft.train_lm_head,
-        num_threads=1 if cpu else None,
-        backend=cfg.learner.backend,
-    )
+    from draft_opd_ray.opd.learner import LearnerRun
+
     slots = plan.of(LEARNER)
     n = len(slots)
+    run = LearnerRun(draft_dir, target, total_updates, num_threads=1 if cpu else None)
     ranks = start_learner_ranks(
         n,
         lambda r: opts(LEARNER, r),
-        draft_dir,
-        target,
-        **settings,
+        run,
+        (cfg.draft, cfg.loss, cfg.optim, cfg.learner),
         cpu_shares=[cpu_share(cfg, plan, s) for s in slots],
     )
     return ranks, n
@@ -397,12 +358,12 @@ def _learner_ranks(
 def start_learner_ranks(
     n: int,
     options: Callable[[int], dict[str, Any]],
-    draft_dir: str,
-    target: str,
+    run: LearnerRun,
+    configs: tuple[DraftConfig, LossConfig, OptimConfig, LearnerConfig],
     cpu_shares: Sequence[tuple[int, int] | None] | None = None,
-    **settings: Any,
 ) -> list[Any]:
-    """``n`` `Learner` actors forming one data-parallel group (``settings``: the Learner's keywords). A task in
+    """``n`` `Learner` actors forming one data-parallel group, each built from ``run`` (its rank, the group's size
+    and meeting point, its CPU share filled in) and ``configs`` (`draft`, `loss`, `optim`, `learner`). A task in
     rank 0's bundle finds a free port on its node; every rank then joins there (DeepSpeed's process group forms
     once all ``n`` constructors run)."""
     import ray
@@ -421,13 +382,10 @@ def start_learner_ranks(
         ray.remote(Learner)
         .options(**options(r))
         .remote(
-            draft_dir,
-            target,
-            **settings,
-            rank=r,
-            world_size=n,
-            master=master,
-            cpu_share=cpu_shares[r] if cpu_shares else None,
+            dataclasses.replace(
+                run, rank=r, world_size=n, master=master, cpu_share=cpu_shares[r] if cpu_shares else None
+            ),
+            *configs,
         )
         for r in range(n)
     ]

@@ -15,6 +15,7 @@ The trained weights, the AdamW + DeepSpeed engine and the schedule are the SFT a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from draft_opd_ray.algo.loss import (
     sft_terms,
 )
 from draft_opd_ray.checkpoint import plain
-from draft_opd_ray.config.schema import OBJECTIVES, LossConfig
+from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, LossConfig, OptimConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.distributed import all_reduce_sum, init_process_group, world
 from draft_opd_ray.opd.batch import committed_blocks
@@ -94,62 +95,59 @@ def student_vocabulary(draft_ids: Sequence[int] | None, device: torch.device) ->
     return to_student
 
 
+@dataclass(frozen=True)
+class LearnerRun:
+    """What only the run knows about one learner rank (the rest is `draft.*`, `loss.*`, `optim.*`, `learner.*`):
+    the draft folder it starts from, the target's folder, ``total_steps`` optimizer updates of the whole run (the
+    schedule's length); ``rank`` of a data-parallel group of ``world_size`` learner actors meeting at rank 0's
+    ``master`` (address, port; one rank needs none); its torch threads: ``cpu_share`` (reserved cores, sharers)
+    sets them from this node's cores (`device.node_threads`), else ``num_threads`` when given."""
+
+    draft_dir: str
+    target: str
+    total_steps: int
+    rank: int = 0
+    world_size: int = 1
+    master: tuple[str, int] | None = None
+    num_threads: int | None = None
+    cpu_share: tuple[int, int] | None = None
+
+
 class Learner:
     def __init__(
         self,
-        draft_dir: str,
-        target: str,
-        *,
-        kind: str = "eagle3",
-        spec: LossConfig,
-        objective: str = "opd",
-        lr: float,
-        betas: Sequence[float],
-        weight_decay: float,
-        warmup_ratio: float,
-        schedule: str,
-        total_steps: int,
-        zero_stage: int,
-        grad_clip: float,
-        dtype: str = "float32",
-        train_lm_head: bool = False,
-        num_threads: int | None = None,
-        backend: str = "auto",
-        rank: int = 0,
-        world_size: int = 1,
-        master: tuple[str, int] | None = None,
-        cpu_share: tuple[int, int] | None = None,
+        run: LearnerRun,
+        draft: DraftConfig,
+        loss: LossConfig,
+        optim: OptimConfig,
+        learner: LearnerConfig,
     ) -> None:
-        """``dtype``: `learner.dtype`; ``total_steps``: optimizer updates of the whole run.
-        ``rank`` / ``world_size`` / ``master``: this rank of a data-parallel group of ``world_size`` learner
-        actors meeting at rank 0's ``master`` (address, port); one rank needs none. ``cpu_share`` (reserved
-        cores, sharers) sets the threads from this node's cores instead of ``num_threads``
-        (`device.node_threads`)."""
+        """The student of `draft.kind` (its LM head trained with `draft.train_lm_head`), the objective `loss.*`,
+        AdamW and its schedule `optim.*`, the DeepSpeed engine `learner.*` (``auto`` precision resolved on this
+        rank's node, not the driver's)."""
         from draft_opd_ray.device import resolve_dtype
         from draft_opd_ray.drafts.registry import draft_kind
 
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if cpu_share is not None:
-            torch.set_num_threads(node_threads(*cpu_share))
-        elif num_threads:
-            torch.set_num_threads(num_threads)
-        init_process_group(backend, rank=rank, world_size=world_size, master=master)
+        if run.cpu_share is not None:
+            torch.set_num_threads(node_threads(*run.cpu_share))
+        elif run.num_threads:
+            torch.set_num_threads(run.num_threads)
+        init_process_group(learner.backend, rank=run.rank, world_size=run.world_size, master=run.master)
         self.device = actor_device()
-        self.target = target
-        self.student = draft_kind(kind).student(draft_dir, target)
+        self.target = run.target
+        self.student = draft_kind(draft.kind).student(run.draft_dir, run.target)
         self.model = self.student.model
-        self.spec, self.objective = spec, objective
+        self.spec, self.objective = loss, loss.objective
         self.engine, _, self.scheduler = build_engine(
             self.model,
-            trainable_parameters(self.model, kind, train_lm_head),
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            zero_stage=zero_stage,
-            dtype=resolve_dtype(dtype),  # `auto`: this rank's node decides, not the driver's
-            grad_clip=grad_clip,
-            lr_lambda=lambda s: update_lr_factor(s, total_steps, warmup_ratio, schedule),
+            trainable_parameters(self.model, draft.kind, draft.train_lm_head),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            zero_stage=learner.zero_stage,
+            dtype=resolve_dtype(learner.dtype),
+            grad_clip=optim.grad_clip,
+            lr_lambda=lambda s: update_lr_factor(s, run.total_steps, optim.warmup_ratio, optim.schedule),
         )
         self.version = 0
         self.to_student = student_vocabulary(self.student.draft_ids, self.device)

@@ -22,74 +22,91 @@ acceptance; random anchors (no recorded block) need this mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.sync.refit import RefitAck
 from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, pack_branches
 
 
+@dataclass(frozen=True)
+class ReplayRun:
+    """What only the run knows about a replay actor (the rest is `draft.*`, `teacher.*`, `loss.*`, `replay.*`):
+    the target's folder, the draft's feature layers (``aux_layer_ids``) and vocabulary (``draft_ids``; None: the
+    target's) as its folder gives them (`DraftKind.replay_needs`), the draft folder (a copy is held for
+    `replay.mode=redraft` and `loss.draft_topm`), and its torch threads: ``cpu_share`` (reserved cores, sharers)
+    sets them from this node's cores (`device.node_threads`), else ``num_threads`` when given."""
+
+    target: str
+    aux_layer_ids: Sequence[int]
+    draft_ids: Sequence[int] | None
+    draft_dir: str | None = None
+    num_threads: int | None = None
+    cpu_share: tuple[int, int] | None = None
+
+
+def replay_draft_topm(loss: LossConfig, teacher: TeacherConfig) -> int:
+    """`loss.draft_topm` where it is used: Draft-OPD's topk estimator (the controls train on committed tokens)."""
+    used = loss.objective == "opd" and loss.estimator == "topk" and teacher.topk is not None
+    return loss.draft_topm if used else 0
+
+
 class ReplayActor:
     def __init__(
         self,
-        target: str,
-        *,
-        aux_layer_ids: Sequence[int],
-        draft_ids: Sequence[int] | None,
-        k: int,
-        dtype: str = "float32",
-        num_threads: int | None = None,
-        payload: str = "full",
-        topk: int = 32,
-        teacher: bool = True,
-        mode: str = "recorded",
-        draft_kind: str | None = None,
-        draft_dir: str | None = None,
-        cpu_share: tuple[int, int] | None = None,
-        draft_topm: int = 0,
+        run: ReplayRun,
+        draft: DraftConfig,
+        teacher: TeacherConfig,
+        loss: LossConfig,
+        replay: ReplayConfig,
     ) -> None:
-        """payload: "full" ships log p_k over the whole draft vocabulary (N x K x Vd floats per sequence);
-        "topk" ships only its top ``topk`` ids and log-probs (for large vocabularies; loss.estimator=topk).
-        mode "redraft" needs the draft (``draft_kind``, ``draft_dir``) and takes its later versions through
-        ``load_draft_weights_file`` / ``load_draft_weights``. ``teacher=False`` (`loss.objective=sft_on_rollouts`)
-        ships only the target features: no teacher distribution is computed. ``cpu_share`` (reserved cores,
-        sharers) sets the threads from this node's cores instead of ``num_threads`` (`device.node_threads`).
-        ``draft_topm`` > 0 (payload "topk", `loss.draft_topm`): the actor also holds the draft, kept current as in
-        redraft, and ships the teacher's log-probs at the draft's own top ``draft_topm`` ids of every block
-        position beside the teacher's top-k, so the estimator's support holds the draft's confident tokens."""
-        if payload not in ("full", "topk"):
-            raise ValueError(f"payload must be 'full' or 'topk', got {payload!r}")
-        if mode not in ("recorded", "redraft"):
-            raise ValueError(f"mode must be 'recorded' or 'redraft', got {mode!r}")
-        self.payload, self.topk, self.mode, self.teacher = payload, topk, mode, teacher
-        self.draft_topm = draft_topm if payload == "topk" and teacher else 0
+        """The teacher is `teacher.*`, the setting the SFT feature pass reads too: the target run in
+        `teacher.dtype` (``auto`` resolved on this node, not the driver's) and its probabilities kept per position:
+        payload "topk" ships the top `teacher.topk` ids and log-probs, `teacher.topk=null` payload "full", log p_k
+        over the whole draft vocabulary (N x K x Vd floats per sequence). Blocks of K = `draft.num_speculative_tokens`.
+        `replay.mode` "redraft" holds the draft (`draft.kind`, ``run.draft_dir``) and takes its later versions
+        through ``load_draft_weights_file`` / ``load_draft_weights``. `loss.objective=sft_on_rollouts` ships only the
+        target features: no teacher distribution is computed. `loss.draft_topm` > 0 where it is used
+        (`replay_draft_topm`, payload "topk"): the actor also holds the draft, kept current as in redraft, and
+        ships the teacher's log-probs at the draft's own top ``draft_topm`` ids of every block position beside the
+        teacher's top-k, so the estimator's support holds the draft's confident tokens."""
+        self.payload = "full" if teacher.topk is None else "topk"
+        self.topk, self.mode = teacher.topk or 1, replay.mode
+        self.teacher = loss.objective != "sft_on_rollouts"
+        self.draft_topm = replay_draft_topm(loss, teacher) if self.payload == "topk" and self.teacher else 0
         self.student = None
         self.draft_version = 0
         self.device = actor_device()
-        if mode == "redraft" or self.draft_topm > 0:
-            if draft_kind is None or draft_dir is None:
-                raise ValueError("replay mode redraft and draft_topm > 0 need draft_kind and draft_dir")
+        if self.mode == "redraft" or self.draft_topm > 0:
+            if run.draft_dir is None:
+                raise ValueError(
+                    "replay mode redraft and draft_topm > 0 need the draft folder (ReplayRun.draft_dir)"
+                )
             from draft_opd_ray.drafts import registry
 
-            self.student = registry.draft_kind(draft_kind).student(draft_dir, target)
+            self.student = registry.draft_kind(draft.kind).student(run.draft_dir, run.target)
             self.student.model.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
         from draft_opd_ray.device import resolve_dtype
 
-        if cpu_share is not None:
-            torch.set_num_threads(node_threads(*cpu_share))
-        elif num_threads:
-            torch.set_num_threads(num_threads)
+        if run.cpu_share is not None:
+            torch.set_num_threads(node_threads(*run.cpu_share))
+        elif run.num_threads:
+            torch.set_num_threads(run.num_threads)
         # `auto` is resolved here: this node's hardware decides, not the driver's
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, resolve_dtype(dtype)))
+        dtype = getattr(torch, resolve_dtype(teacher.dtype))
+        model = AutoModelForCausalLM.from_pretrained(run.target, dtype=dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
-        self.aux = list(aux_layer_ids)
-        self.draft_ids = torch.tensor(list(draft_ids), device=self.device) if draft_ids is not None else None
+        self.aux = list(run.aux_layer_ids)
+        ids = run.draft_ids
+        self.draft_ids = torch.tensor(list(ids), device=self.device) if ids is not None else None
         self.scored = 0  # sequences this actor has scored (its share: `ReplayGroup`)
-        self.k = k
+        self.k = draft.num_speculative_tokens
 
     @torch.no_grad()
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:

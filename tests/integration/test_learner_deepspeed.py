@@ -10,27 +10,24 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.config.schema import LossConfig
+from tests.helpers import learner_configs
 
 pytestmark = pytest.mark.deepspeed
 
 
-def _learner(draft: Path, target: Path, kind: str = "eagle3", estimator: str = "full", **kwargs: Any) -> Any:
-    from draft_opd_ray.opd.learner import Learner
+def _learner(
+    draft: Path,
+    target: Path,
+    kind: str = "eagle3",
+    estimator: str = "full",
+    cpu_share: tuple[int, int] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A learner rank of one: ``kwargs`` are `learner_configs`'s (objective, lr, dtype)."""
+    from draft_opd_ray.opd.learner import Learner, LearnerRun
 
-    settings: dict[str, Any] = dict(
-        kind=kind,
-        spec=LossConfig(estimator=estimator),
-        lr=3e-3,
-        betas=[0.9, 0.95],
-        weight_decay=0.0,
-        warmup_ratio=0.0,
-        schedule="constant",
-        total_steps=10,
-        zero_stage=0,
-        grad_clip=1.0,
-    )
-    return Learner(str(draft), str(target), **(settings | kwargs))
+    run = LearnerRun(str(draft), str(target), total_steps=10, cpu_share=cpu_share)
+    return Learner(run, *learner_configs(kind, estimator, **kwargs))
 
 
 def _steps(learner: Any, batch: list, n: int = 4) -> list[float]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from draft_opd_ray.config.schema import LossConfig
+from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, LossConfig, OptimConfig
 from draft_opd_ray.wire import ReplayItem
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
@@ -50,23 +50,17 @@ def _items(item: ReplayItem) -> list[ReplayItem]:
 
 def _group(draft: Path, target: Path, zero_stage: int) -> Any:
     from draft_opd_ray.loop.actors import LearnerGroup, start_learner_ranks
+    from draft_opd_ray.opd.learner import LearnerRun
 
-    settings: dict[str, Any] = dict(
-        kind="eagle3",
-        spec=LossConfig(estimator="full"),
-        lr=1e-2,
-        betas=[0.9, 0.95],
-        weight_decay=0.01,
-        warmup_ratio=0.25,
-        schedule="cosine",  # the resumed ranks must continue the schedule, not restart it
-        total_steps=2 * (BEFORE + AFTER),
-        zero_stage=zero_stage,
-        grad_clip=1.0,
-        dtype="bfloat16",
-        num_threads=1,
-        backend="gloo",
+    run = LearnerRun(str(draft), str(target), total_steps=2 * (BEFORE + AFTER), num_threads=1)
+    configs = (
+        DraftConfig(kind="eagle3"),
+        LossConfig(estimator="full"),
+        # the resumed ranks must continue the schedule, not restart it
+        OptimConfig(lr=1e-2, betas=[0.9, 0.95], weight_decay=0.01, warmup_ratio=0.25, schedule="cosine"),
+        LearnerConfig(zero_stage=zero_stage, dtype="bfloat16", backend="gloo"),
     )
-    ranks = start_learner_ranks(2, lambda r: {"num_cpus": 0.1}, str(draft), str(target), **settings)
+    ranks = start_learner_ranks(2, lambda r: {"num_cpus": 0.1}, run, configs)
     return LearnerGroup(ranks)
 
 

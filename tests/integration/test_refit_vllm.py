@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from draft_opd_ray.errors import RefitError
-from tests.helpers import perturbed
+from tests.helpers import perturbed, replay_actor
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -145,20 +145,11 @@ def test_wrong_version_is_refused(case: Any) -> None:
 def test_replay_draft_copy_is_checked(case: Any, tiny_target: Path) -> None:
     """redraft: the replay actor is a receiver too; its copy's fingerprints follow the same check."""
     from draft_opd_ray.drafts.registry import draft_kind
-    from draft_opd_ray.opd.replay import ReplayActor
     from draft_opd_ray.sync.refit import check_ack, fingerprints
 
     kind, _, draft, state = case
     feats, ids = draft_kind(kind).replay_needs(str(draft), str(tiny_target))
-    replay = ReplayActor(
-        str(tiny_target),
-        aux_layer_ids=feats,
-        draft_ids=ids,
-        k=K,
-        mode="redraft",
-        draft_kind=kind,
-        draft_dir=str(draft),
-    )
+    replay = replay_actor(tiny_target, feats, ids, K, kind=kind, mode="redraft", draft_dir=str(draft))
     noisy = perturbed(state, 0.3, seed=5)
     replay.load_draft_weights(noisy, 5)
     ack = replay.refit_ack()

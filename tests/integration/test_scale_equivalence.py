@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.config.schema import LossConfig
 from draft_opd_ray.wire import ReplayItem
+from tests.helpers import learner_configs, replay_configs
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -53,32 +53,19 @@ def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
 
     from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.loop.actors import LearnerGroup, ReplayGroup, start_learner_ranks
-    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.learner import LearnerRun
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
 
     feats, ids = draft_kind("eagle3").replay_needs(str(case.eagle3), str(case.target))
     actors = [
         ray.remote(ReplayActor)
         .options(num_cpus=0.1)
-        .remote(str(case.target), aux_layer_ids=feats, draft_ids=ids, k=case.k, num_threads=1)
+        .remote(ReplayRun(str(case.target), feats, ids, num_threads=1), *replay_configs("eagle3", case.k))
         for _ in range(replays)
     ]
-    settings: dict[str, Any] = dict(
-        kind="eagle3",
-        spec=LossConfig(estimator="full"),
-        lr=LR,
-        betas=[0.9, 0.95],
-        weight_decay=0.0,
-        warmup_ratio=0.0,
-        schedule="constant",
-        total_steps=10,
-        zero_stage=0,
-        grad_clip=1.0,
-        num_threads=1,
-        backend="gloo",
-    )
-    learners = start_learner_ranks(
-        ranks, lambda r: {"num_cpus": 0.1}, str(case.eagle3), str(case.target), **settings
-    )
+    run = LearnerRun(str(case.eagle3), str(case.target), total_steps=10, num_threads=1)
+    configs = learner_configs("eagle3", "full", lr=LR, backend="gloo")
+    learners = start_learner_ranks(ranks, lambda r: {"num_cpus": 0.1}, run, configs)
     return ReplayGroup(actors), LearnerGroup(learners)
 
 

@@ -31,13 +31,14 @@ def _cfg() -> Config:
 
 
 def test_replay_actor_resolves_auto_on_its_node(monkeypatch: pytest.MonkeyPatch, tiny_target: Path) -> None:
-    from draft_opd_ray.opd.replay import ReplayActor
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
 
     _node(monkeypatch, gpu=False)  # the driver: a CPU-only head
-    teacher = actors.replay_teacher(_cfg())
-    assert teacher["dtype"] == "auto"
+    cfg = _cfg()
+    cfg.teacher = dataclasses.replace(cfg.teacher, topk=None)  # the full payload: no draft copy to hold
+    assert cfg.teacher.dtype == "auto"  # the actor gets the setting, not the driver's resolution of it
     _node(monkeypatch, gpu=True)  # the replay actor's node
-    replay = ReplayActor(str(tiny_target), aux_layer_ids=[0], draft_ids=None, k=2, **teacher)
+    replay = ReplayActor(ReplayRun(str(tiny_target), [0], None), cfg.draft, cfg.teacher, cfg.loss, cfg.replay)
     assert replay.model.dtype == torch.bfloat16
 
 
@@ -49,18 +50,19 @@ def test_learner_ranks_resolve_auto_on_their_node(
     monkeypatch: pytest.MonkeyPatch, tiny_target: Path, tmp_path: Path
 ) -> None:
     from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
-
     from draft_opd_ray.opd import learner as learner_mod
 
     cfg = _cfg()
     plan = build_plan(cfg.cluster, draft_kind=cfg.draft.kind, zero_stage=cfg.learner.zero_stage)
     started: dict[str, Any] = {}
     monkeypatch.setattr(
-        actors, "start_learner_ranks", lambda n, options, d, t, **kw: started.update(kw) or []
+        actors,
+        "start_learner_ranks",
+        lambda n, options, run, configs, **kw: started.update(run=run, configs=configs) or [],
     )
     _node(monkeypatch, gpu=False)  # the driver
     actors._learner_ranks(cfg, plan, str(tiny_target), "draft", 10, lambda role, rank: {}, cpu=True)
-    assert started["dtype"] == "auto"
+    assert started["configs"][3].dtype == "auto"
 
     # the rank on its node: the DeepSpeed engine is where the resolved dtype goes (no process group here)
     built: dict[str, Any] = {}
@@ -72,8 +74,8 @@ def test_learner_ranks_resolve_auto_on_their_node(
     monkeypatch.setattr(learner_mod, "init_process_group", lambda *a, **k: None)
     monkeypatch.setattr(learner_mod, "build_engine", build_engine)
     draft = save_eagle3(init_eagle3(tiny_target, aux_layer_ids=[0, 1, 2]), tmp_path / "d", tiny_target)
-    settings = {k: v for k, v in started.items() if k != "cpu_shares"}
+    run = dataclasses.replace(started["run"], draft_dir=str(draft), target=str(tiny_target))
     _node(monkeypatch, gpu=True)
     with pytest.raises(_Stop):
-        learner_mod.Learner(str(draft), str(tiny_target), **settings)
+        learner_mod.Learner(run, *started["configs"])
     assert built["dtype"] == "bfloat16"

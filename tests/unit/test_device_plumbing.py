@@ -235,7 +235,7 @@ def test_replay_scores_on_the_device(replay_case: Any, kwargs: dict[str, Any]) -
     there): it ships the same CPU teacher items as on the CPU."""
     c = replay_case
     if kwargs.get("mode") == "redraft":
-        kwargs = {**kwargs, "draft_kind": "eagle3", "draft_dir": str(c.eagle3)}
+        kwargs = {**kwargs, "draft_dir": str(c.eagle3)}
     (want,) = c.replay("eagle3", c.eagle3, **kwargs).score([c.item])
     with on_accelerator(), mock.patch("draft_opd_ray.opd.replay.actor_device", return_value=DEVICE):
         actor = c.replay("eagle3", c.eagle3, **kwargs)

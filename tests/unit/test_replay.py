@@ -10,15 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from draft_opd_ray.opd.replay import ReplayActor
 from draft_opd_ray.wire import ReplayItem, branch_mask, pack_branches, payload_bytes
-from tests.helpers import perturbed
+from tests.helpers import perturbed, replay_actor
 
 
 def test_teacher_matches_naive_per_anchor_forward(replay_case) -> None:
     c = replay_case
     item, K = c.item, c.k
-    replay = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=K)
+    replay = replay_actor(c.target, [0, 1, 2], None, K)
     (t,) = replay.score([item])
     for j, (n, y, a) in enumerate(zip(item.anchor_pos, item.drafted, item.accepted)):
         kk = int(t.valid_len[j])
@@ -62,10 +61,8 @@ def test_topk_payload_is_the_full_teacher_top_k(replay_case) -> None:
     """payload=topk ships the top k of the same teacher distributions and is far smaller (the learner steps on
     it in test_learner_deepspeed.py; the estimator itself is checked against brute force in test_loss.py)."""
     c = replay_case
-    (full,) = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k).score([c.item])
-    (top,) = ReplayActor(
-        str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k, payload="topk", topk=8
-    ).score([c.item])
+    (full,) = replay_actor(c.target, [0, 1, 2], None, c.k).score([c.item])
+    (top,) = replay_actor(c.target, [0, 1, 2], None, c.k, payload="topk", topk=8).score([c.item])
     assert full.teacher_logprobs is not None and top.teacher_logprobs is None
     assert top.teacher_topk_ids is not None and top.teacher_topk_logprobs is not None
     want_lp, want_ids = full.teacher_logprobs.topk(8, dim=-1)
@@ -129,7 +126,7 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
     item, K = c.item, c.k
     draft = c.draft(kind, tmp_path / kind, num_layers=2 if kind == "standalone" else 1)
     feats, _ = draft_kind(kind).replay_needs(str(draft), str(c.target))
-    replay = c.replay(kind, draft, mode="redraft", draft_kind=kind, draft_dir=str(draft))
+    replay = c.replay(kind, draft, mode="redraft", draft_dir=str(draft))
     (t,) = replay.score([item])
     seq = torch.tensor(item.input_ids)
     with torch.no_grad():
@@ -160,14 +157,16 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
 
 def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
     c = replay_case
-    with pytest.raises(ValueError, match="payload"):
-        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, payload="half")
-    with pytest.raises(ValueError, match="mode"):
-        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="fresh")
-    with pytest.raises(ValueError, match="redraft and draft_topm > 0 need draft_kind and draft_dir"):
-        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k, mode="redraft")
+    with pytest.raises(ValueError, match="replay.mode"):
+        replay_actor(c.target, [], None, c.k, mode="fresh")
+    with pytest.raises(
+        ValueError, match=r"redraft and draft_topm > 0 need the draft folder \(ReplayRun.draft_dir\)"
+    ):
+        replay_actor(c.target, [], None, c.k, mode="redraft")
+    with pytest.raises(ValueError, match="redraft and draft_topm > 0 need the draft folder"):
+        replay_actor(c.target, [], None, c.k, payload="topk", topk=4, draft_topm=2)
     with pytest.raises(RuntimeError, match="holds no draft"):
-        ReplayActor(str(c.target), aux_layer_ids=[], draft_ids=None, k=c.k).load_draft_weights({}, 1)
+        replay_actor(c.target, [], None, c.k).load_draft_weights({}, 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
@@ -180,11 +179,12 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
     cannot order: the same top-1, the same ids but for the tail, probabilities within bfloat16's resolution."""
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.device import resolve_dtype
-    from draft_opd_ray.loop.actors import replay_teacher
+    from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
     from draft_opd_ray.sft.features import forward_dtype, load_hf_target, target_features
 
     c, cfg = replay_case, Config()
     cfg.teacher = dataclasses.replace(cfg.teacher, dtype=dtype)
+    cfg.loss = dataclasses.replace(cfg.loss, draft_topm=0)  # the teacher alone: no draft copy to rank with
     exact = resolve_dtype(dtype) == "float32"
     draft_ids = list(range(0, c.model.config.vocab_size, 3))
     kept = cfg.teacher.kept(len(draft_ids))
@@ -192,7 +192,7 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
         kept == 16 and cfg.teacher.kept(8) == 8 and dataclasses.replace(cfg.teacher, topk=None).kept(99) == 99
     )
     replay = ReplayActor(
-        str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=draft_ids, k=c.k, **replay_teacher(cfg)
+        ReplayRun(str(c.target), [0, 1, 2], draft_ids), cfg.draft, cfg.teacher, cfg.loss, cfg.replay
     )
     assert replay.model.dtype == forward_dtype(cfg.teacher.dtype)  # `auto` resolved by the replay itself
     (t,) = replay.score([c.item])

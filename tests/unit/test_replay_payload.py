@@ -16,31 +16,28 @@ import torch
 from draft_opd_ray.config.schema import AnchorConfig, Config
 from draft_opd_ray.loop.actors import LearnerGroup, Scored
 from draft_opd_ray.opd.learner import split_by_anchors, split_mini_batches
-from draft_opd_ray.opd.replay import ReplayActor
 from draft_opd_ray.wire import TeacherItem, TeacherSummary, learner_cost, payload_bytes
-from tests.helpers import synth
+from tests.helpers import replay_actor, synth
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_features_ship_in_the_targets_precision(replay_case: Any, dtype: str) -> None:
     """Before: features were cast to float32 whatever the target's dtype (twice the bytes in bfloat16)."""
     c = replay_case
-    replay = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k, dtype=dtype)
+    replay = replay_actor(c.target, [0, 1, 2], None, c.k, dtype=dtype)
     (t,) = replay.score([c.item])
     assert t.features.dtype == getattr(torch, dtype)
     assert t.features.shape[0] == len(c.item.input_ids)
     # the teacher's log-probs stay float32: computed in float32 from the logits, the small top-k payload
     for x in (t.teacher_logprobs, t.teacher_topk_logprobs):
         assert x is None or x.dtype == torch.float32
-    (f,) = ReplayActor(
-        str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k, dtype=dtype, teacher=False
-    ).score([c.item])
+    (f,) = replay_actor(c.target, [0, 1, 2], None, c.k, dtype=dtype, teacher=False).score([c.item])
     assert f.features.dtype == getattr(torch, dtype)
 
 
 def test_score_split_returns_summaries_then_the_items(replay_case: Any) -> None:
     c = replay_case
-    replay = ReplayActor(str(c.target), aux_layer_ids=[0, 1, 2], draft_ids=None, k=c.k)
+    replay = replay_actor(c.target, [0, 1, 2], None, c.k)
     out = replay.score_split([c.item, c.item])
     summaries, items = out[0], out[1:]
     assert len(items) == 2 and all(isinstance(t, TeacherItem) for t in items)
@@ -166,7 +163,7 @@ def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(rep
 
     c = replay_case
     m = 5
-    kw: dict[str, Any] = dict(draft_kind="eagle3", draft_dir=str(c.eagle3))
+    kw: dict[str, Any] = dict(draft_dir=str(c.eagle3))
     (t,) = c.replay("eagle3", c.eagle3, payload="topk", topk=4, draft_topm=m, **kw).score([c.item])
     (full,) = c.replay("eagle3", c.eagle3, payload="full").score([c.item])
     assert t.draft_topm_ids is not None and t.teacher_logprobs_at_draft is not None
