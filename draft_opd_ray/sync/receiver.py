@@ -27,8 +27,6 @@ import torch
 from draft_opd_ray.sync.refit import RefitAck, combine_ranks, tensor_fingerprint
 from draft_opd_ray.sync.weight_sync import write_safetensors
 
-# checkpoint-name fragments vLLM's draft modules spell differently (beyond `refit.served_key`'s rules)
-VLLM_ALIASES: dict[str, dict[str, str]] = {"eagle3": {"midlayer.": "layers.0."}}
 SHM = "/dev/shm"
 SHM_MARGIN = 16 << 20  # bytes left free in /dev/shm beside a weights file (vLLM and NCCL use it too)
 
@@ -181,9 +179,10 @@ def apply_nccl(llm: Any, plan: dict[str, list[Any]], version: int) -> None:
     llm.reset_prefix_cache()
 
 
-def refit_ack(llm: Any, receiver: str, draft_kind: str) -> RefitAck:
+def refit_ack(llm: Any, receiver: str, aliases: Mapping[str, str]) -> RefitAck:
     """The refit proof (`sync/refit.py`): every rank's draft read back from the engine, fingerprinted, and the
-    ranks combined into one report of what the engine serves."""
+    ranks combined into one report of what the engine serves. ``aliases``: the checkpoint-name fragments vLLM's
+    module for the draft's kind spells differently (`DraftKind.vllm_aliases`)."""
     ranks = llm.collective_rpc("draft_fingerprints")
     versions = {int(r["version"]) for r in ranks}
     spec = llm.llm_engine.vllm_config.speculative_config
@@ -193,7 +192,7 @@ def refit_ack(llm: Any, receiver: str, draft_kind: str) -> RefitAck:
         version=versions.pop() if len(versions) == 1 else -1,  # ranks that disagree serve no one version
         dtype=str(ranks[0]["dtype"]),
         tensors=combine_ranks([{n: (int(a), int(b)) for n, (a, b) in r["tensors"].items()} for r in ranks]),
-        aliases=dict(VLLM_ALIASES.get(draft_kind, {})),
+        aliases=dict(aliases),
         # KV heads fewer than the ranks are replicated: the check counts them (`refit.kv_replicas`)
         tensor_parallel=int(spec.draft_parallel_config.tensor_parallel_size),
         kv_heads=int(spec.draft_model_config.get_total_num_kv_heads()),
