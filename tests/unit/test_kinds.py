@@ -141,3 +141,20 @@ def test_no_module_outside_a_kinds_folder_compares_kind_names() -> None:
             if KIND_COMPARISON.search(line):
                 hits.append(f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+ROLES = ("rollout", "opd", "sft", "eval", "loop", "driver", "main")
+
+
+def test_drafts_import_none_of_the_roles() -> None:
+    """drafts/ sits below the roles: it may import models/, config, flops, wire.py, never rollout/, opd/, sft/,
+    eval/, loop/ or the driver (which import it)."""
+    import ast
+
+    hits = []
+    for path in sorted((PACKAGE / "drafts").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mod = node.module if isinstance(node, ast.ImportFrom) and node.module else ""
+            if mod.startswith("draft_opd_ray.") and mod.split(".")[1] in ROLES:
+                hits.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {mod}")
+    assert not hits, "\n".join(hits)

@@ -1,4 +1,4 @@
-"""Standalone draft LMs (vLLM method ``draft_model``) and the target-folder helpers all draft kinds use.
+"""Standalone draft LMs (vLLM method ``draft_model``): building one from the target, loading, saving.
 
 A standalone draft is an ordinary causal LM folder with the target's tokenizer and vocabulary. The usual start
 is a slice of the target itself: :func:`build_standalone_from_target` keeps the embedding, final norm, LM head
