@@ -201,13 +201,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import psutil
-    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from transformers import AutoTokenizer
 
-    from draft_opd_ray.config.schema import PromptSetConfig
+    from draft_opd_ray.config.schema import DraftConfig, PromptSetConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from draft_opd_ray.models.embedded import ensure_embedded_target
-    from draft_opd_ray.rollout.engine import SpecDecodeEngine
+    from draft_opd_ray.rollout.engine import EngineRun, SpecDecodeEngine
     from draft_opd_ray.rollout.records import tau, tau_vllm
     from draft_opd_ray.wire import consistency_error
 
@@ -224,11 +224,10 @@ def main() -> None:
             f"{args.max_new_tokens} new tokens each, K={args.k}, standalone draft of {args.draft_layers} layers",
             flush=True,
         )
-        common = dict(
-            draft_kind="standalone",
-            draft_path=draft,
-            num_speculative_tokens=args.k,
-            max_model_len=args.max_model_len,
+        configs = (
+            DraftConfig(kind="standalone", num_speculative_tokens=args.k),
+            TargetConfig(max_model_len=args.max_model_len),
+            RolloutConfig(),
         )
         expect = len(prompts) * args.max_new_tokens
         starts = {"both": ("record", "plain"), "record-first": ("record",), "plain-first": ("plain",)}
@@ -249,7 +248,8 @@ def main() -> None:
                 for name in names:  # both alive at once; each engine's own processes tracked for CPU time
                     before = {p.pid for p in me.children(recursive=True)}
                     t0 = time.perf_counter()
-                    engines[name] = SpecDecodeEngine(target, record=name == "record", **common)
+                    run = EngineRun(target, "standalone", draft, record=name == "record")
+                    engines[name] = SpecDecodeEngine(run, *configs)
                     procs[name] = [me] + [p for p in me.children(recursive=True) if p.pid not in before]
                     print(f"[{phase}] engine start {name}: {time.perf_counter() - t0:.1f} s", flush=True)
                 for name, eng in engines.items():  # warm-up

@@ -164,15 +164,15 @@ def main() -> None:
 
     import ray
     import torch
-    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from draft_opd_ray.config.schema import PromptSetConfig
+    from draft_opd_ray.config.schema import DraftConfig, PromptSetConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.data.prompts import load_prompt_set
+    from draft_opd_ray.drafts.standalone.model import build_standalone_from_target
     from draft_opd_ray.models.embedded import ensure_embedded_target
     from draft_opd_ray.models.target import read_target_info, stop_token_ids
-    from draft_opd_ray.rollout.engine import Sampling
+    from draft_opd_ray.rollout.engine import EngineRun, Sampling
     from draft_opd_ray.sync.weight_sync import ObjectStoreWeightSync, SharedFileWeightSync
 
     t_all = time.perf_counter()
@@ -213,12 +213,10 @@ def main() -> None:
         workers = [
             actor.remote(
                 rank,
-                str(target),
-                draft_kind="standalone",
-                draft_path=str(draft),
-                num_speculative_tokens=args.k,
-                max_model_len=args.max_model_len,
-                cpu_bind=str(rank % (os.cpu_count() or 1)),
+                EngineRun(str(target), "standalone", str(draft), cpu_bind=str(rank % (os.cpu_count() or 1))),
+                DraftConfig(kind="standalone", num_speculative_tokens=args.k),
+                TargetConfig(max_model_len=args.max_model_len),
+                RolloutConfig(),
             )
             for rank in range(args.workers)
         ]

@@ -71,6 +71,28 @@ def replay_actor(
     return ReplayActor(run, *replay_configs(kind, k, **settings))
 
 
+def spec_engine(
+    target: str | os.PathLike[str],
+    kind: str,
+    draft_path: str | os.PathLike[str] | None,
+    k: int,
+    *,
+    max_model_len: int = 2048,
+    **run: Any,
+) -> Any:
+    """A `SpecDecodeEngine` of ``kind`` proposing ``k`` tokens, default target and rollout settings but
+    ``max_model_len``; ``run``: the other `EngineRun` fields (record, dtype, tensor_parallel, ...)."""
+    from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
+    from draft_opd_ray.rollout.engine import EngineRun, SpecDecodeEngine
+
+    return SpecDecodeEngine(
+        EngineRun(target, kind, draft_path, **run),
+        DraftConfig(num_speculative_tokens=k),
+        TargetConfig(max_model_len=max_model_len),
+        RolloutConfig(),
+    )
+
+
 def learner_configs(
     kind: str = "eagle3",
     estimator: str = "full",

@@ -26,6 +26,7 @@ from draft_opd_ray.eval.tau import measure_all, tau_entry
 from draft_opd_ray.metrics import finite
 from draft_opd_ray.rollout.engine import (
     BASELINES,
+    EngineRun,
     Sampling,
     SpecDecodeEngine,
     all_cores,
@@ -110,18 +111,15 @@ def evaluate(
     for kind, path in methods:
 
         def start(weights: str | None, record: bool, kind: str = kind) -> SpecDecodeEngine:
-            return SpecDecodeEngine(
+            engine_run = EngineRun(
                 run.target,
-                draft_kind=kind,
-                draft_path=weights,
-                num_speculative_tokens=draft.num_speculative_tokens,
-                max_model_len=target.max_model_len,
-                dtype=target.dtype,
-                gpu_memory_utilization=rollout.gpu_memory_utilization,
-                tensor_parallel=cluster.rollout_tensor_parallel,
+                kind,
+                weights,
                 record=record,
                 cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
+                tensor_parallel=cluster.rollout_tensor_parallel,
             )
+            return SpecDecodeEngine(engine_run, draft, target, rollout)
 
         first = str(run.before) if run.before is not None and kind == draft.kind else path
         per_set = _measure_method(

@@ -97,19 +97,19 @@ def measure_drafts(
     end an answer (None: the target's eos ids, `models.target.stop_token_ids`)."""
     from safetensors.torch import load_file
 
+    from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.models.target import target_stop_token_ids
-    from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
+    from draft_opd_ray.rollout.engine import EngineRun, Sampling, SpecDecodeEngine, all_cores
 
     stop = tuple(stop_token_ids) if stop_token_ids is not None else target_stop_token_ids(target)
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stop)
     out: dict[str, dict[str, float]] = {}
+    run = EngineRun(str(target), kind, str(drafts[0]), cpu_bind=all_cores())  # alone: on CPU, every core
     engine = SpecDecodeEngine(
-        str(target),
-        draft_kind=kind,
-        draft_path=str(drafts[0]),
-        num_speculative_tokens=k,
-        max_model_len=max_model_len,
-        cpu_bind=all_cores(),  # alone on the machine: on CPU, every core (vLLM's auto takes one)
+        run,
+        DraftConfig(kind=kind, num_speculative_tokens=k),
+        TargetConfig(max_model_len=max_model_len),
+        RolloutConfig(),
     )
     try:
         for v, path in enumerate(drafts):

@@ -39,14 +39,18 @@ def tau_match(
     ``stop_token_ids`` (None: the target's eos ids, `models.target.stop_token_ids`)."""
     from transformers import AutoModelForCausalLM
 
+    from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.models.target import target_stop_token_ids
-    from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+    from draft_opd_ray.rollout.engine import EngineRun, Sampling, SpecDecodeEngine
     from draft_opd_ray.rollout.reference import speculative_generate
 
     stop = tuple(stop_token_ids) if stop_token_ids is not None else target_stop_token_ids(target_dir)
     tic = time.monotonic()
     engine = SpecDecodeEngine(
-        target_dir, draft_kind=kind, draft_path=draft_dir, num_speculative_tokens=k, max_model_len=2048
+        EngineRun(target_dir, kind, draft_dir),
+        DraftConfig(kind=kind, num_speculative_tokens=k),
+        TargetConfig(max_model_len=2048),
+        RolloutConfig(),
     )
     try:
         served_stats, served = measure(

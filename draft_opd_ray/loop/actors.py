@@ -263,30 +263,29 @@ def _rollout_workers(
 ) -> list[Any]:
     import ray
 
+    from draft_opd_ray.rollout.engine import EngineRun
     from draft_opd_ray.rollout.worker import RolloutWorker
     from draft_opd_ray.sync.nccl import plan_weight_sync
 
     ncores = os.cpu_count() or 1
     c = cfg.cluster
     nccl = plan_weight_sync(cfg.rollout.weight_sync, plan) == "nccl"
-    return [
-        ray.remote(RolloutWorker)
-        .options(**opts(ROLLOUT, s.index), max_restarts=c.max_restarts)  # a killed engine comes back
-        .remote(
-            s.index,
+
+    def run(s: ActorSlot) -> EngineRun:
+        return EngineRun(
             target,
-            draft_kind=cfg.draft.kind,
-            draft_path=draft_dir,
-            num_speculative_tokens=cfg.draft.num_speculative_tokens,
-            max_model_len=cfg.target.max_model_len,
-            dtype=cfg.target.dtype,  # as configured: the engine resolves it on its node
-            kvcache_gb=cfg.rollout.kvcache_gb,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            cpu_bind=str(s.index % ncores) if cpu else None,
+            cfg.draft.kind,
+            draft_dir,
             seed=cfg.seed,
+            cpu_bind=str(s.index % ncores) if cpu else None,
             tensor_parallel=len(s.gpus) or 1,
             weight_transfer="nccl" if nccl else None,
         )
+
+    return [
+        ray.remote(RolloutWorker)
+        .options(**opts(ROLLOUT, s.index), max_restarts=c.max_restarts)  # a killed engine comes back
+        .remote(s.index, run(s), cfg.draft, cfg.target, cfg.rollout)  # target.dtype resolved on its node
         for s in plan.of(ROLLOUT)
     ]
 

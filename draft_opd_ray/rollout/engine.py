@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
@@ -105,70 +106,87 @@ def _env(name: str, value: str | None):  # type: ignore[no-untyped-def]
                 os.environ[name] = old
 
 
+def _engine_kwargs(
+    spec: dict[str, Any] | None, record: bool, extension: bool, run: EngineRun
+) -> dict[str, Any]:
+    """The engine arguments that differ from vLLM's defaults on purpose (module docstring)."""
+    kwargs: dict[str, Any] = {}
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+        kwargs["per_request_spec_decode_metrics"] = "detailed"
+        if record:
+            kwargs["scheduler_cls"] = SCHEDULER
+            # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);
+            # not recording (eval speed runs, serving) keeps vLLM's default, async on CUDA
+            kwargs["async_scheduling"] = False
+            print("[engine] anchor recording: async_scheduling=False (synchronous scheduling)", flush=True)
+        if extension:
+            kwargs["worker_extension_cls"] = EXTENSION
+    if run.weight_transfer is not None:
+        kwargs["weight_transfer_config"] = {"backend": run.weight_transfer}
+    if run.tensor_parallel > 1:  # the actor owns its GPUs: vLLM's Ray executor would refuse its bundle
+        kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What only the run knows about one engine (the rest is `draft.num_speculative_tokens`, `target.*`,
+    `rollout.kvcache_gb` / `rollout.gpu_memory_utilization`): the target's folder; ``draft_kind``, the method it
+    speculates with (a draft kind with its folder ``draft_path``, or one of `BASELINES`); ``record``: anchor
+    records (synchronous scheduling); ``cpu_bind``: on CPU, the cores the engine's threads run on
+    (``VLLM_CPU_OMP_THREADS_BIND``, e.g. :func:`all_cores` for an engine alone on the machine; None keeps the
+    environment's: vLLM's ``auto`` puts every engine on one core and leaves the other for the frontend);
+    ``tensor_parallel``: GPUs (ranks) the engine shards the target and draft over (vLLM's
+    ``tensor_parallel_size``); ``weight_transfer``: a vLLM weight-transfer backend ("nccl") to receive draft
+    weights through (`sync/nccl.py`), None: files only; ``dtype``: the precision a stage serves the target in
+    when it is not `target.dtype` (the SFT answers: `sft.trajectory_dtype`); ``auto`` = `device.resolve_dtype` on
+    the engine's node."""
+
+    target: str | Path
+    draft_kind: str
+    draft_path: str | Path | None = None
+    record: bool = True
+    seed: int = 0
+    cpu_bind: str | None = None
+    tensor_parallel: int = 1
+    weight_transfer: str | None = None
+    dtype: str | None = None
+
+
 class SpecDecodeEngine:
     """vLLM `LLM` + anchor recording + in-place draft updates. Create inside a `__main__`-guarded process."""
 
     def __init__(
-        self,
-        target: str | Path,
-        *,
-        draft_kind: str,
-        draft_path: str | Path | None,
-        num_speculative_tokens: int,
-        max_model_len: int = 2048,
-        dtype: str = "float32",
-        kvcache_gb: float = 1.0,
-        gpu_memory_utilization: float = 0.5,
-        record: bool = True,
-        seed: int = 0,
-        cpu_bind: str | None = None,
-        tensor_parallel: int = 1,
-        weight_transfer: str | None = None,
+        self, run: EngineRun, draft: DraftConfig, target: TargetConfig, rollout: RolloutConfig
     ) -> None:
-        """``cpu_bind``: on CPU, the cores the engine's threads run on (``VLLM_CPU_OMP_THREADS_BIND``, e.g.
-        :func:`all_cores` for an engine alone on the machine); None keeps the environment's (vLLM's ``auto``
-        puts every engine on one core and leaves the other for the frontend). ``tensor_parallel``: GPUs (ranks)
-        the engine shards the target and draft over (vLLM's ``tensor_parallel_size``). ``weight_transfer``: a vLLM
-        weight-transfer backend ("nccl") to receive draft weights through (`sync/nccl.py`); None: files only.
-        ``dtype``: the target's (and vLLM's draft's) precision; ``auto`` = `device.resolve_dtype` on this node."""
+        """Proposes `draft.num_speculative_tokens` tokens a step; serves the target as `target.dtype` (or
+        ``run.dtype``) within `target.max_model_len`, with `rollout.kvcache_gb` of CPU KV cache and
+        `rollout.gpu_memory_utilization` of a GPU."""
+        draft_kind, draft_path = run.draft_kind, run.draft_path
         if draft_path is not None and draft_kind in registry.KINDS:
-            registry.KINDS[draft_kind].check_folder(target, draft_path)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kvcache_gb)))  # whole GiB (config checks it)
+            registry.KINDS[draft_kind].check_folder(run.target, draft_path)
+        # whole GiB (config checks it)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(rollout.kvcache_gb)))
         from vllm import LLM
 
-        spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, num_speculative_tokens)
+        k = draft.num_speculative_tokens
+        spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, k)
         self.spec_config = spec
-        self.target = str(target)
+        self.target = str(run.target)
         self.draft_kind = draft_kind
-        self.max_model_len = max_model_len
-        self.record = record and spec is not None
-        kwargs: dict[str, Any] = {}
-        if spec is not None:
-            kwargs["speculative_config"] = spec
-            kwargs["per_request_spec_decode_metrics"] = "detailed"
-            if self.record:
-                kwargs["scheduler_cls"] = SCHEDULER
-                # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);
-                # not recording (eval speed runs, serving) keeps vLLM's default, async on CUDA
-                kwargs["async_scheduling"] = False
-                print(
-                    "[engine] anchor recording: async_scheduling=False (synchronous scheduling)", flush=True
-                )
-            if draft_kind in registry.KINDS:
-                kwargs["worker_extension_cls"] = EXTENSION
-        if weight_transfer is not None:
-            kwargs["weight_transfer_config"] = {"backend": weight_transfer}
-        if tensor_parallel > 1:  # the actor owns its GPUs: vLLM's Ray executor would refuse its bundle
-            kwargs["distributed_executor_backend"] = "mp"
-        with _env("VLLM_CPU_OMP_THREADS_BIND", cpu_bind):
+        self.max_model_len = target.max_model_len
+        self.record = run.record and spec is not None
+        kwargs = _engine_kwargs(spec, self.record, draft_kind in registry.KINDS, run)
+        with _env("VLLM_CPU_OMP_THREADS_BIND", run.cpu_bind):
             self.llm = LLM(
                 self.target,
-                dtype=resolve_dtype(dtype),  # type: ignore[arg-type]
-                max_model_len=max_model_len,
+                dtype=resolve_dtype(run.dtype or target.dtype),  # type: ignore[arg-type]
+                max_model_len=target.max_model_len,
                 enforce_eager=needs_eager(),
-                tensor_parallel_size=tensor_parallel,
-                seed=seed,
-                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=run.tensor_parallel,
+                seed=run.seed,
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
                 **kwargs,
             )
         self.version = 0

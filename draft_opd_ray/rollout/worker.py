@@ -8,53 +8,33 @@ a round, and each record carries the version that proposed it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
+from draft_opd_ray.rollout.engine import EngineRun, Sampling, SpecDecodeEngine
 from draft_opd_ray.sync.refit import RefitAck
 from draft_opd_ray.wire import RequestRecord
 
 
 class RolloutWorker:
     def __init__(
-        self,
-        rank: int,
-        target: str,
-        *,
-        draft_kind: str,
-        draft_path: str | None,
-        num_speculative_tokens: int,
-        max_model_len: int,
-        dtype: str = "float32",
-        kvcache_gb: float = 1.0,
-        gpu_memory_utilization: float = 0.5,
-        cpu_bind: str | None = None,
-        seed: int = 0,
-        tensor_parallel: int = 1,
-        weight_transfer: str | None = None,
+        self, rank: int, run: EngineRun, draft: DraftConfig, target: TargetConfig, rollout: RolloutConfig
     ) -> None:
-        """``tensor_parallel``: GPUs of this engine (vLLM's ``tensor_parallel_size``; the actor owns them, the
-        engine runs its ranks as local processes). ``weight_transfer="nccl"`` readies the engine for
-        `NcclWeightSync` (vLLM's weight-transfer engine). ``dtype``: as configured; ``auto`` is resolved by the
-        engine, on this actor's node."""
-        if cpu_bind is not None:  # CPU engines: give each worker its own core instead of all binding core 0
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        """Worker ``rank``'s engine (`SpecDecodeEngine`: ``run`` and the configs), seeded ``run.seed + rank``.
+        ``run.tensor_parallel``: GPUs of this engine (the actor owns them, the engine runs its ranks as local
+        processes); ``run.weight_transfer="nccl"`` readies the engine for `NcclWeightSync` (vLLM's
+        weight-transfer engine); `target.dtype` as configured (``auto`` is resolved by the engine, on this actor's
+        node). ``run.cpu_bind`` binds the whole actor process (CPU engines: each worker its own core)."""
+        if (
+            run.cpu_bind is not None
+        ):  # CPU engines: give each worker its own core instead of all binding core 0
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = run.cpu_bind
         self.rank = rank
-        self.engine = SpecDecodeEngine(
-            target,
-            draft_kind=draft_kind,
-            draft_path=draft_path,
-            num_speculative_tokens=num_speculative_tokens,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            kvcache_gb=kvcache_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed + rank,
-            tensor_parallel=tensor_parallel,
-            weight_transfer=weight_transfer,
-        )
+        engine_run = dataclasses.replace(run, seed=run.seed + rank, cpu_bind=None)  # bound above, for good
+        self.engine = SpecDecodeEngine(engine_run, draft, target, rollout)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[RequestRecord]:
         return self.engine.generate(prompts, sampling)

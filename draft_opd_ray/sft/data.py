@@ -133,17 +133,16 @@ def generate_trajectories(
     ]
     todo = [i for i, p in enumerate(parts) if not p.is_file()]
     if todo:
-        from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, all_cores
+        from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
+        from draft_opd_ray.rollout.engine import EngineRun, Sampling, SpecDecodeEngine, all_cores
 
+        # vLLM's CPU KV cache is set in whole GiB (the engine takes the integer part)
+        kv = int(max(kvcache_gb, kv_cache_gb_for(target, prompts, chunk, max_new_tokens, dtype)))
         engine = SpecDecodeEngine(
-            target,
-            draft_kind="none",
-            draft_path=None,
-            num_speculative_tokens=1,
-            max_model_len=max_model_len,
-            kvcache_gb=max(kvcache_gb, kv_cache_gb_for(target, prompts, chunk, max_new_tokens, dtype)),
-            dtype=dtype,
-            cpu_bind=all_cores(),  # alone on the machine: on CPU, every core
+            EngineRun(target, "none", dtype=dtype, cpu_bind=all_cores()),  # alone: on CPU, every core
+            DraftConfig(num_speculative_tokens=1),
+            TargetConfig(max_model_len=max_model_len),
+            RolloutConfig(kvcache_gb=kv),
         )
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
         try:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.rollout.engine import SpecDecodeEngine
 from tests.conformance.conftest import Captured
+from tests.helpers import spec_engine
 
 
 def _engine(**kw: Any) -> None:
-    SpecDecodeEngine("t", draft_kind="ngram", draft_path=None, num_speculative_tokens=3, **kw)
+    spec_engine("t", "ngram", None, 3, **kw)
 
 
 def test_recording_and_tensor_parallel_arguments(llm_calls: Any) -> None:

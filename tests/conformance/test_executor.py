@@ -17,7 +17,7 @@ import pytest
 
 from draft_opd_ray.config.schema import ClusterConfig
 from draft_opd_ray.placement import ROLLOUT, build_plan
-from draft_opd_ray.rollout.engine import SpecDecodeEngine
+from tests.helpers import spec_engine
 
 TP = 2
 
@@ -67,9 +67,7 @@ def test_our_tp_engine_gets_the_multiprocessing_executor(in_actor_in_pg: Any, ll
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     for tp in (TP, 1):
-        SpecDecodeEngine(
-            "t", draft_kind="none", draft_path=None, num_speculative_tokens=3, tensor_parallel=tp
-        )
+        spec_engine("t", "none", None, 3, tensor_parallel=tp)
     (_, two), (_, one) = llm_calls.calls
     assert two["distributed_executor_backend"] == "mp" and "distributed_executor_backend" not in one
     cfg = ParallelConfig(

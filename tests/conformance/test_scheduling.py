@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import vllm.platforms
 
-from draft_opd_ray.rollout.engine import SpecDecodeEngine
+from tests.helpers import spec_engine
 
 
 @pytest.fixture
@@ -57,14 +57,7 @@ def test_recording_engine_runs_synchronous_on_cuda(
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     target, draft = tiny_pair
     for record in (True, False):
-        SpecDecodeEngine(
-            target,
-            draft_kind="eagle3",
-            draft_path=draft,
-            num_speculative_tokens=3,
-            max_model_len=128,
-            record=record,
-        )
+        spec_engine(target, "eagle3", draft, 3, max_model_len=128, record=record)
     (m1, recording), (m2, plain) = llm_calls.calls
     cfg = _config(m1, recording)
     assert cfg.scheduler_config.async_scheduling is False

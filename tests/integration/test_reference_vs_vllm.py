@@ -61,11 +61,10 @@ def smol_batch(smol, standalone) -> dict:
 
 
 def run_vllm(target: Path, kind: str, draft: Path, prompts: list[list[int]]) -> list[RequestRecord]:
-    from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+    from draft_opd_ray.rollout.engine import Sampling
+    from tests.helpers import spec_engine
 
-    engine = SpecDecodeEngine(
-        target, draft_kind=kind, draft_path=draft, num_speculative_tokens=K, max_model_len=512
-    )
+    engine = spec_engine(target, kind, draft, K, max_model_len=512)
     try:
         return engine.generate(prompts, Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)))
     finally:

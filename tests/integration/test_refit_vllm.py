@@ -54,7 +54,9 @@ def ray_local() -> Any:
 @pytest.fixture(scope="module", params=KINDS)
 def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_path_factory: Any) -> Any:
     """(kind, worker actor, draft folder, the learner's state of the draft) for one kind."""
+    from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.drafts.registry import draft_kind
+    from draft_opd_ray.rollout.engine import EngineRun
     from draft_opd_ray.rollout.worker import RolloutWorker
 
     kind = request.param
@@ -62,11 +64,10 @@ def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_
     state = draft_kind(kind).student(str(draft), str(tiny_target)).rollout_state()
     worker = ray_local.remote(num_cpus=1)(RolloutWorker).remote(
         0,
-        str(tiny_target),
-        draft_kind=kind,
-        draft_path=str(draft),
-        num_speculative_tokens=K,
-        max_model_len=256,
+        EngineRun(str(tiny_target), kind, str(draft)),
+        DraftConfig(kind=kind, num_speculative_tokens=K),
+        TargetConfig(max_model_len=256),
+        RolloutConfig(),
     )
     yield kind, worker, draft, state
     ray_local.get(worker.shutdown.remote())

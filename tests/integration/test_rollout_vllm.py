@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine
+from draft_opd_ray.rollout.engine import Sampling
 from draft_opd_ray.rollout.records import tau, tau_vllm
 from draft_opd_ray.wire import consistency_error
-from tests.helpers import chat_prompt_ids, perturbed
+from tests.helpers import chat_prompt_ids, perturbed, spec_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -43,9 +43,7 @@ def models(tmp_path_factory, embedded_target):
 @pytest.fixture(scope="module")
 def plain_tokens(models):
     target, _, prompts = models
-    engine = SpecDecodeEngine(
-        target, draft_kind="none", draft_path=None, num_speculative_tokens=K, max_model_len=1024
-    )
+    engine = spec_engine(target, "none", None, K, max_model_len=1024)
     try:
         return [r.response_ids for r in engine.generate(prompts, SAMPLING)]
     finally:
@@ -56,17 +54,18 @@ def plain_tokens(models):
 def worker(models):
     import ray
 
+    from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
+    from draft_opd_ray.rollout.engine import EngineRun
     from draft_opd_ray.rollout.worker import RolloutWorker
 
     target, draft, _ = models
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     actor = ray.remote(num_cpus=1)(RolloutWorker).remote(
         0,
-        str(target),
-        draft_kind="standalone",
-        draft_path=str(draft),
-        num_speculative_tokens=K,
-        max_model_len=1024,
+        EngineRun(str(target), "standalone", str(draft)),
+        DraftConfig(kind="standalone", num_speculative_tokens=K),
+        TargetConfig(max_model_len=1024),
+        RolloutConfig(),
     )
     yield actor
     ray.get(actor.shutdown.remote())

@@ -9,6 +9,7 @@ import pytest
 
 from draft_opd_ray.errors import ConfigError, ModelError
 from draft_opd_ray.rollout.engine import Sampling, SpecDecodeEngine, speculative_config
+from tests.helpers import spec_engine
 
 
 def _folder(path: Path, **cfg: object) -> Path:
@@ -21,10 +22,10 @@ def test_draft_target_vocabulary_mismatch_is_rejected(tmp_path: Path) -> None:
     target = _folder(tmp_path / "t", vocab_size=49152)
     draft = _folder(tmp_path / "d", vocab_size=32000)
     with pytest.raises(ModelError, match="draft vocabulary 32000 differs from the target's 49152"):
-        SpecDecodeEngine(target, draft_kind="standalone", draft_path=draft, num_speculative_tokens=4)
+        spec_engine(target, "standalone", draft, 4)
     big = _folder(tmp_path / "e", vocab_size=49152, draft_vocab_size=60000)
     with pytest.raises(ModelError, match="draft_vocab_size 60000 exceeds the target's 49152"):
-        SpecDecodeEngine(target, draft_kind="eagle3", draft_path=big, num_speculative_tokens=4)
+        spec_engine(target, "eagle3", big, 4)
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,10 @@ from draft_opd_ray.wire import RequestRecord
 class _Engine:
     built: list[_Engine] = []
 
-    def __init__(self, target: str, *, draft_kind: str, record: bool = True, **kw: Any) -> None:
-        self.kind, self.record = draft_kind, record and draft_kind != "none"
+    def __init__(self, run: Any, draft: Any, target: Any, rollout: Any) -> None:
+        self.kind, self.record = run.draft_kind, run.record and run.draft_kind != "none"
         self.runs: list[int] = []  # prompts per generate call
-        self.kw = kw
+        self.target = target
         type(self).built.append(self)
 
     def generate(self, prompts: Any, sampling: Any) -> list[RequestRecord]:
@@ -62,4 +62,4 @@ def test_speed_runs_use_vllm_default_scheduling(
     else:  # CPU: vLLM is synchronous anyway, one engine measures both
         assert built == [("eagle3", True), ("none", False)]
         assert _Engine.built[0].runs == [4] + [1] * 5
-    assert all(e.kw["dtype"] == "bfloat16" for e in _Engine.built)
+    assert all(e.target.dtype == "bfloat16" for e in _Engine.built)

@@ -199,14 +199,12 @@ class FakeEngine:
 
     built: list[str] = []
 
-    def __init__(
-        self, target: str, *, draft_kind: str, draft_path: str | None, record: bool = True, **_: Any
-    ) -> None:
-        self.kind, self.version = draft_kind, 0
+    def __init__(self, run: Any, *configs: Any) -> None:
+        self.kind, self.version = run.draft_kind, 0
         self.record = (
-            record and draft_kind != "none"
+            run.record and run.draft_kind != "none"
         )  # as SpecDecodeEngine: nothing to record without a draft
-        FakeEngine.built.append(draft_kind)
+        FakeEngine.built.append(run.draft_kind)
 
     def generate(self, prompts: list[list[int]], sampling: Any) -> list[RequestRecord]:
         out = []
