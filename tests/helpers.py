@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def replay_configs(
     kind: str,
-    k: int,
+    num_speculative_tokens: int,
     *,
     payload: str = "full",
     topk: int = 32,
@@ -46,7 +46,7 @@ def replay_configs(
     from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 
     return (
-        DraftConfig(kind=kind, num_speculative_tokens=k),
+        DraftConfig(kind=kind, num_speculative_tokens=num_speculative_tokens),
         TeacherConfig(dtype=dtype, topk=None if payload == "full" else topk),
         LossConfig(objective="opd" if teacher else "sft_on_rollouts", draft_topm=draft_topm),
         ReplayConfig(mode=mode),
@@ -57,37 +57,37 @@ def replay_actor(
     target: str | os.PathLike[str],
     aux_layer_ids: Sequence[int],
     draft_ids: Sequence[int] | None,
-    k: int,
+    num_speculative_tokens: int,
     *,
     kind: str = "eagle3",
     draft_dir: str | None = None,
     cpu_share: tuple[int, int] | None = None,
     **settings: Any,
 ) -> Any:
-    """A `ReplayActor` on ``target`` with blocks of ``k``; ``settings``: `replay_configs`'s."""
+    """A `ReplayActor` on ``target`` with blocks of ``num_speculative_tokens``; ``settings``: `replay_configs`'s."""
     from draft_opd_ray.opd.replay import ReplayActor, ReplayRun
 
     run = ReplayRun(str(target), aux_layer_ids, draft_ids, draft_dir, cpu_share=cpu_share)
-    return ReplayActor(run, *replay_configs(kind, k, **settings))
+    return ReplayActor(run, *replay_configs(kind, num_speculative_tokens, **settings))
 
 
 def spec_engine(
     target: str | os.PathLike[str],
     kind: str,
     draft_path: str | os.PathLike[str] | None,
-    k: int,
+    num_speculative_tokens: int,
     *,
     max_model_len: int = 2048,
     **run: Any,
 ) -> Any:
-    """A `SpecDecodeEngine` of ``kind`` proposing ``k`` tokens, default target and rollout settings but
+    """A `SpecDecodeEngine` of ``kind`` proposing ``num_speculative_tokens`` tokens, default target and rollout settings but
     ``max_model_len``; ``run``: the other `EngineRun` fields (record, dtype, tensor_parallel, ...)."""
     from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
     from draft_opd_ray.rollout.engine import EngineRun, SpecDecodeEngine
 
     return SpecDecodeEngine(
         EngineRun(target, kind, draft_path, **run),
-        DraftConfig(num_speculative_tokens=k),
+        DraftConfig(num_speculative_tokens=num_speculative_tokens),
         TargetConfig(max_model_len=max_model_len),
         RolloutConfig(),
     )

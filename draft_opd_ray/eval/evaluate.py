@@ -51,7 +51,7 @@ def _measure(
     engine: SpecDecodeEngine,
     prompts: Sequence[list[int]],
     sampling: Sampling,
-    k: int,
+    num_speculative_tokens: int,
     concurrency: Sequence[int],
     speed_prompts: int,
     measured: tuple[dict[str, float], list[Any]],
@@ -61,9 +61,10 @@ def _measure(
     ``measured``: `measure_all` of ``prompts`` (by the recording engine); ``engine`` runs the speed runs."""
     stats, recs = measured
     ok = [r for r in recs if not r.error]
+    drafted = any(r.num_steps for r in ok)
     out: dict[str, Any] = {
         **tau_entry(stats, recs),
-        "acceptance_per_position": acceptance_per_position(ok, k) if any(r.num_steps for r in ok) else [],
+        "acceptance_per_position": acceptance_per_position(ok, num_speculative_tokens) if drafted else [],
         "tokens_per_s": {
             c: _tokens_per_second(engine, prompts[: max(speed_prompts, c)], sampling, c) for c in concurrency
         },
@@ -132,7 +133,7 @@ def evaluate(
         draft_kind=draft.kind,
         draft_path=run.draft_path,
         before=run.before,
-        k=draft.num_speculative_tokens,
+        num_speculative_tokens=draft.num_speculative_tokens,
         results=results,
         tau_before=tau_before,
         concurrency=cfg.concurrency,
@@ -150,7 +151,7 @@ def _measure_method(
     path: str | None,
     run: EvalRun,
     cfg: EvalConfig,
-    k: int,
+    num_speculative_tokens: int,
     sampling: Sampling,
     tau_before: dict[str, dict[str, Any]],
 ) -> dict[str, dict[str, Any]]:
@@ -173,7 +174,15 @@ def _measure_method(
             engine.shutdown()
             engine = start(path, False)
         return {
-            name: _measure(engine, prompts, sampling, k, cfg.concurrency, run.speed_prompts, measured[name])
+            name: _measure(
+                engine,
+                prompts,
+                sampling,
+                num_speculative_tokens,
+                cfg.concurrency,
+                run.speed_prompts,
+                measured[name],
+            )
             for name, prompts in run.datasets.items()
         }
     finally:
@@ -195,7 +204,7 @@ def build_report(
     draft_kind: str,
     draft_path: str | Path | None,
     before: str | Path | None,
-    k: int,
+    num_speculative_tokens: int,
     results: dict[str, dict[str, dict[str, Any]]],
     tau_before: dict[str, dict[str, Any]],
     concurrency: Sequence[int],
@@ -206,7 +215,9 @@ def build_report(
         "target": str(target),
         "draft": str(draft_path),
         "draft_before": str(before) if before is not None else None,
-        "speculative_config": speculative_config(draft_kind, str(draft_path) if draft_path else None, k),
+        "speculative_config": speculative_config(
+            draft_kind, str(draft_path) if draft_path else None, num_speculative_tokens
+        ),
         "datasets": {},
         "baselines": {},
     }

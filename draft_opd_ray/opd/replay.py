@@ -106,7 +106,7 @@ class ReplayActor:
         ids = run.draft_ids
         self.draft_ids = torch.tensor(list(ids), device=self.device) if ids is not None else None
         self.scored = 0  # sequences this actor has scored (its share: `ReplayGroup`)
-        self.k = draft.num_speculative_tokens
+        self.num_speculative_tokens = draft.num_speculative_tokens
 
     @torch.no_grad()
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
@@ -161,7 +161,7 @@ class ReplayActor:
             out = self.model(ids[None], output_hidden_states=True, use_cache=False)
             feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
         anchors = torch.tensor(it.anchor_pos, device=self.device)
-        blocks = self.student.greedy_blocks(ids, feats, anchors, self.k)
+        blocks = self.student.greedy_blocks(ids, feats, anchors, self.num_speculative_tokens)
         drafted, accepted = [], []
         for n, y in zip(it.anchor_pos, blocks.tolist()):  # the stream ends at T-1: a <= T-1-n
             stream = it.input_ids[n + 1 : n + 1 + len(y)]
@@ -180,7 +180,7 @@ class ReplayActor:
     def _features_only(self, it: ReplayItem) -> TeacherItem:
         """The target features of the committed sequence, no teacher (blocks on the committed stream only)."""
         ids = torch.tensor(it.input_ids)
-        T, N, K = len(ids), len(it.anchor_pos), self.k
+        T, N, K = len(ids), len(it.anchor_pos), self.num_speculative_tokens
         feats = torch.zeros(T, 0)
         if self.aux:
             out = self.model(ids[None].to(self.device), output_hidden_states=True, use_cache=False)
@@ -197,7 +197,7 @@ class ReplayActor:
     def _score_one(self, it: ReplayItem) -> TeacherItem:
         if not self.teacher:
             return self._features_only(it)
-        T, N, K = len(it.input_ids), len(it.anchor_pos), self.k
+        T, N, K = len(it.input_ids), len(it.anchor_pos), self.num_speculative_tokens
         packed = pack_branches(it, K)
         dev = self.device
         out = self.model(

@@ -52,21 +52,21 @@ class Sampling:
             raise ConfigError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
 
 
-def speculative_config(kind: str, path: str | None, k: int) -> dict[str, Any] | None:
+def speculative_config(kind: str, path: str | None, num_speculative_tokens: int) -> dict[str, Any] | None:
     """The exact `speculative_config` vLLM takes for a draft (None = plain decoding)."""
     if kind == BASELINES[0]:
         return None
     if kind == BASELINES[1]:
         return {
             "method": "ngram",
-            "num_speculative_tokens": k,
+            "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 2,
         }
     method = registry.draft_kind(kind).vllm_method
     if path is None:
         raise ConfigError(f"draft.path: a {kind} draft needs a folder")
-    return {"method": method, "model": str(path), "num_speculative_tokens": k}
+    return {"method": method, "model": str(path), "num_speculative_tokens": num_speculative_tokens}
 
 
 def needs_eager() -> bool:
@@ -170,8 +170,9 @@ class SpecDecodeEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(rollout.kvcache_gb)))
         from vllm import LLM
 
-        k = draft.num_speculative_tokens
-        spec = speculative_config(draft_kind, str(draft_path) if draft_path else None, k)
+        spec = speculative_config(
+            draft_kind, str(draft_path) if draft_path else None, draft.num_speculative_tokens
+        )
         self.spec_config = spec
         self.target = str(run.target)
         self.draft_kind = draft_kind
