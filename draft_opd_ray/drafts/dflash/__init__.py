@@ -16,7 +16,13 @@ def pieces() -> Pieces:
     from draft_opd_ray.drafts.dflash.recipe import dflash_recipe
     from draft_opd_ray.drafts.dflash.student import DFlashStudent
 
-    return Pieces(load_dflash, save_dflash, DFlashStudent, dflash_recipe, dflash_drafter)
+    return Pieces(
+        load=load_dflash,
+        save=save_dflash,
+        student=DFlashStudent,
+        recipe=dflash_recipe,
+        drafter=dflash_drafter,
+    )
 
 
 def check_config(d: DraftConfig) -> None:

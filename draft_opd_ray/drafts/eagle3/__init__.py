@@ -17,7 +17,14 @@ def pieces() -> Pieces:
     from draft_opd_ray.drafts.eagle3.recipe import eagle3_recipe
     from draft_opd_ray.drafts.eagle3.student import Eagle3Student
 
-    return Pieces(load_eagle3, save_eagle3, Eagle3Student, eagle3_recipe, eagle3_drafter, fresh=fresh_eagle3)
+    return Pieces(
+        load=load_eagle3,
+        save=save_eagle3,
+        student=Eagle3Student,
+        recipe=eagle3_recipe,
+        drafter=eagle3_drafter,
+        fresh=fresh_eagle3,
+    )
 
 
 def check_fits(d: DraftConfig, num_layers: int, vocab_size: int) -> None:

@@ -17,7 +17,13 @@ def pieces() -> Pieces:
     from draft_opd_ray.drafts.standalone.recipe import standalone_recipe
     from draft_opd_ray.drafts.standalone.student import StandaloneStudent
 
-    return Pieces(load_standalone, save_standalone, StandaloneStudent, standalone_recipe, standalone_drafter)
+    return Pieces(
+        load=load_standalone,
+        save=save_standalone,
+        student=StandaloneStudent,
+        recipe=standalone_recipe,
+        drafter=standalone_drafter,
+    )
 
 
 def check_fits(d: DraftConfig, num_layers: int, vocab_size: int) -> None:

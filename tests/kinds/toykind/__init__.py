@@ -18,7 +18,14 @@ def pieces() -> Pieces:
     from tests.kinds.toykind.recipe import toy_recipe
     from tests.kinds.toykind.student import ToyStudent
 
-    return Pieces(load_toy, save_toy, ToyStudent, toy_recipe, toy_drafter, fresh=fresh_toy)
+    return Pieces(
+        load=load_toy,
+        save=save_toy,
+        student=ToyStudent,
+        recipe=toy_recipe,
+        drafter=toy_drafter,
+        fresh=fresh_toy,
+    )
 
 
 def check_config(d: DraftConfig) -> None:
