@@ -431,9 +431,9 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
     pass; greedy rollouts commit the target's own tokens whatever the draft, so the opd arm's rollouts of the same
     seed's prompts are the control's. Epochs = (opd FLOPs - the target forwards) / one pass, rounded."""
     import torch
-    from draft_opd_ray.drafts.registry import draft_kind
 
     from draft_opd_ray.config.schema import Config
+    from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.flops import target_forward_flops
     from draft_opd_ray.loop.opd import committed_items
     from draft_opd_ray.models.embedded import ensure_embedded_target

@@ -20,11 +20,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+Seqs = Sequence[list[int]]  # committed token ids per sequence
+Gen = torch.Generator | None  # the sampling generator (None: greedy or the global one)
+Features = Sequence[torch.Tensor] | None  # per sequence (len - 1, F) target states; None: compute them
+Proposal = tuple[list[list[int]], torch.Tensor]  # drafted ids (k per sequence), q (B, k, V)
+
 
 class Drafter(Protocol):
-    def propose(
-        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
-    ) -> tuple[list[list[int]], torch.Tensor]:
+    def propose(self, seqs: Seqs, k: int, temperature: float, generator: Gen) -> Proposal:
         """Drafted ids (k per sequence) and the draft's distributions q over them: (B, k, V) probabilities
         (one-hot under greedy)."""
         ...
@@ -39,13 +42,8 @@ class FeatureDrafter(Protocol):
     hidden_state_indices: tuple[int, ...]
 
     def propose(
-        self,
-        seqs: Sequence[list[int]],
-        k: int,
-        temperature: float,
-        generator: torch.Generator | None,
-        features: Sequence[torch.Tensor] | None = None,
-    ) -> tuple[list[list[int]], torch.Tensor]: ...
+        self, seqs: Seqs, k: int, temperature: float, generator: Gen, features: Features = None
+    ) -> Proposal: ...
 
 
 def right_pad(seqs: Sequence[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,13 +92,8 @@ class FeatureDrafterBase:
 
     @torch.no_grad()
     def propose(
-        self,
-        seqs: Sequence[list[int]],
-        k: int,
-        temperature: float,
-        generator: torch.Generator | None,
-        features: Sequence[torch.Tensor] | None = None,
-    ) -> tuple[list[list[int]], torch.Tensor]:
+        self, seqs: Seqs, k: int, temperature: float, generator: Gen, features: Features = None
+    ) -> Proposal:
         """Drafted target ids (k per sequence) and q (B, k, V) over the target vocabulary (one-hot if greedy).
 
         features[b]: (len(seqs[b]) - 1, F) target states of every position but the last; None = compute them.

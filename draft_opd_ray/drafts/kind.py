@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from draft_opd_ray.config.schema import DraftConfig
@@ -43,6 +44,14 @@ class Pieces:
         [Any, PathLike, PathLike], Any
     ]  # (target model, draft folder, target folder) -> Drafter
     fresh: Callable[[PathLike, DraftConfig, int], Any] | None = None  # (target, draft, seed): a new draft
+
+    @classmethod
+    def of(cls, model: ModuleType, student: ModuleType, recipe: ModuleType, drafter: ModuleType) -> Pieces:
+        """A kind folder's pieces by its modules' agreed names: `model.py` ends with ``load, save`` (and
+        ``fresh`` where the kind can start fresh), `student.py` with ``student``, `recipe.py` with ``recipe``,
+        `drafter.py` with ``drafter``."""
+        fresh = model.fresh if hasattr(model, "fresh") else None
+        return cls(model.load, model.save, student.student, recipe.recipe, drafter.drafter, fresh)
 
 
 def _no_check(*_: Any) -> None:

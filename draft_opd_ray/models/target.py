@@ -57,6 +57,17 @@ def _weight_problem(folder: Path) -> str | None:
     return "no weights (*.safetensors or pytorch_model*.bin)"
 
 
+def _config_json(config: Path, where: str) -> dict[str, Any]:
+    """A folder's config.json as a dict, or a ModelError naming ``where`` and what is wrong with it."""
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{where}: config.json is not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{where}: config.json is not a JSON object")
+    return cfg
+
+
 def check_model_dir(path: str | os.PathLike[str], *, role: str = "target", tokenizer: bool = True) -> Path:
     """Check that ``path`` is a local model folder with config.json, weights and (optionally) a tokenizer.
 
@@ -76,12 +87,7 @@ def check_model_dir(path: str | os.PathLike[str], *, role: str = "target", token
     config = folder / "config.json"
     if not config.is_file():
         raise ModelError(f"{role} model folder '{raw}' has no config.json")
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{role} model folder '{raw}': config.json is not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{role} model folder '{raw}': config.json is not a JSON object")
+    _config_json(config, f"{role} model folder '{raw}'")
     problem = _weight_problem(folder)
     if problem is not None:
         raise ModelError(f"{role} model folder '{raw}' is incomplete: {problem}")
@@ -170,13 +176,7 @@ def read_target_info(path: str | os.PathLike[str], cache_dir: Path | None = None
         if not folder.exists():
             raise ModelError(f"model folder '{raw}' does not exist")
         raise ModelError(f"model folder '{raw}' has no config.json")
-    try:
-        outer = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"model folder '{raw}': config.json is not valid JSON ({exc})") from exc
-    if not isinstance(outer, dict):
-        raise ModelError(f"model folder '{raw}': config.json is not a JSON object")
-    return _parse_info(outer, raw, folder)
+    return _parse_info(_config_json(config, f"model folder '{raw}'"), raw, folder)
 
 
 def stop_token_ids(info: TargetInfo, tokenizer: Any = None) -> tuple[int, ...]:

@@ -52,6 +52,31 @@ def _vocab_size(src: Path, cfg: dict[str, Any]) -> int:
     return len(AutoTokenizer.from_pretrained(str(src), local_files_only=True))
 
 
+def _shape(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """The config keys both tiny targets share: their size, 2048 positions, float32."""
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.02,
+        "dtype": "float32",
+    }
+
+
+def _save_seeded(model_class: Any, config: Any, generation: Any, seed: int, out: Path) -> None:
+    """A random model of ``config`` from a private generator state (the caller's global RNG is restored), saved."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).float()
+    model.generation_config = generation
+    model.save_pretrained(str(out))
+
+
 def build_tiny_target(
     out_dir: str | os.PathLike[str],
     *,
@@ -68,7 +93,6 @@ def build_tiny_target(
     ``tokenizer_from`` is a model folder (normally the embedded target's) or the embedded target name;
     its tokenizer files are copied and its vocabulary size and special token ids are used.
     """
-    import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if heads % kv_heads:
@@ -82,30 +106,18 @@ def build_tiny_target(
     pad = src_cfg.get("pad_token_id", eos)
     config = LlamaConfig(
         vocab_size=_vocab_size(src, src_cfg),
-        hidden_size=hidden,
         intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
-        initializer_range=0.02,
-        dtype="float32",
+        **_shape(hidden, layers, heads, kv_heads, head_dim),
     )
     config.architectures = ["LlamaForCausalLM"]
-
-    # Seed a private generator state: the global RNG of the caller is restored afterwards.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).float()
-    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(str(out))
+    generation = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    _save_seeded(LlamaForCausalLM, config, generation, seed, out)
 
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -207,7 +219,6 @@ def build_tiny_qwen3_target(
 
     Like Qwen3's: config.json's eos is ``<|im_end|>`` and its bos/pad ``<|endoftext|>``; generation_config.json
     lists both as end-of-sequence ids, ``<|im_end|>`` first."""
-    import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     if heads % kv_heads:
@@ -218,30 +229,18 @@ def build_tiny_qwen3_target(
     endoftext, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen3Config(
         vocab_size=len(tok),
-        hidden_size=hidden,
         intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=False,
         bos_token_id=endoftext,
         eos_token_id=im_end,
         pad_token_id=endoftext,
-        initializer_range=0.02,
-        dtype="float32",
+        **_shape(hidden, layers, heads, kv_heads, head_dim),
     )
     config.architectures = ["Qwen3ForCausalLM"]
-
-    # Seed a private generator state: the global RNG of the caller is restored afterwards.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).float()
-    model.generation_config = GenerationConfig(
+    generation = GenerationConfig(
         bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext
     )
-    model.save_pretrained(str(out))
+    _save_seeded(Qwen3ForCausalLM, config, generation, seed, out)
     return out

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_opd_ray.errors import ModelError
 from draft_opd_ray.drafts.eagle3.model import (
     Eagle3Config,
     Eagle3Draft,
@@ -25,6 +24,7 @@ from draft_opd_ray.drafts.eagle3.model import (
     save_eagle3,
     target_to_draft,
 )
+from draft_opd_ray.errors import ModelError
 from tests.helpers import edit_config, randomize_, rope, save_checked_against_its_target, small_shape
 
 V, H = 64, 32

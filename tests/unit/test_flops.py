@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from draft_opd_ray.flops import eagle3_train_flops, model_config_info, target_forward_flops
 from draft_opd_ray.drafts.eagle3.model import Eagle3Config, Eagle3Draft
+from draft_opd_ray.flops import eagle3_train_flops, model_config_info, target_forward_flops
 from draft_opd_ray.models.target import read_target_info
 
 CFG = Eagle3Config(

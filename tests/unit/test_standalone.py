@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_opd_ray.errors import ModelError
 from draft_opd_ray.drafts.standalone.model import (
     build_standalone_from_target,
     check_standalone_against_target,
     load_standalone,
     save_standalone,
 )
+from draft_opd_ray.errors import ModelError
 
 
 def _truncated_target(target_path: Path, layer_ids: list[int]) -> torch.nn.Module:

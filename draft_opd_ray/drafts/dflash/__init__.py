@@ -11,18 +11,9 @@ from draft_opd_ray.errors import ConfigError
 
 
 def pieces() -> Pieces:
-    from draft_opd_ray.drafts.dflash.drafter import dflash_drafter
-    from draft_opd_ray.drafts.dflash.model import load_dflash, save_dflash
-    from draft_opd_ray.drafts.dflash.recipe import dflash_recipe
-    from draft_opd_ray.drafts.dflash.student import DFlashStudent
+    from draft_opd_ray.drafts.dflash import drafter, model, recipe, student
 
-    return Pieces(
-        load=load_dflash,
-        save=save_dflash,
-        student=DFlashStudent,
-        recipe=dflash_recipe,
-        drafter=dflash_drafter,
-    )
+    return Pieces.of(model, student, recipe, drafter)
 
 
 def check_config(d: DraftConfig) -> None:

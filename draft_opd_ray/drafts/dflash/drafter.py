@@ -27,3 +27,6 @@ class DFlashDrafter(FeatureDrafterBase):
 
 def dflash_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:
     return DFlashDrafter(target, load_dflash(draft_dir, target_dir).float())
+
+
+drafter = dflash_drafter  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

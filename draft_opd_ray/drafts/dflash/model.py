@@ -401,3 +401,7 @@ def load_dflash(path: str | os.PathLike[str], target_path: str | os.PathLike[str
     except RuntimeError as exc:
         raise ModelError(f"{where}: weights do not match the config ({exc})") from exc
     return model
+
+
+# the kind's interface (`drafts/kind.py`, `Pieces.of`)
+load, save = load_dflash, save_dflash

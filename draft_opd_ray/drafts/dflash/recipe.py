@@ -151,3 +151,6 @@ def dflash_recipe(
         flops,
         lambda m, out, t: save_dflash(m, out, t),  # type: ignore[arg-type]
     )
+
+
+recipe = dflash_recipe  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

@@ -50,3 +50,6 @@ class DFlashStudent(DraftStudent):
     def save(self, out_dir: str) -> str:
         save_dflash(self.model, out_dir, self.target)
         return out_dir
+
+
+student = DFlashStudent  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

@@ -12,19 +12,9 @@ from draft_opd_ray.errors import ConfigError, ModelError
 
 
 def pieces() -> Pieces:
-    from draft_opd_ray.drafts.eagle3.drafter import eagle3_drafter
-    from draft_opd_ray.drafts.eagle3.model import fresh_eagle3, load_eagle3, save_eagle3
-    from draft_opd_ray.drafts.eagle3.recipe import eagle3_recipe
-    from draft_opd_ray.drafts.eagle3.student import Eagle3Student
+    from draft_opd_ray.drafts.eagle3 import drafter, model, recipe, student
 
-    return Pieces(
-        load=load_eagle3,
-        save=save_eagle3,
-        student=Eagle3Student,
-        recipe=eagle3_recipe,
-        drafter=eagle3_drafter,
-        fresh=fresh_eagle3,
-    )
+    return Pieces.of(model, student, recipe, drafter)
 
 
 def check_fits(d: DraftConfig, num_layers: int, vocab_size: int) -> None:

@@ -22,3 +22,6 @@ class Eagle3Drafter(FeatureDrafterBase):
 
 def eagle3_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:
     return Eagle3Drafter(target, load_eagle3(draft_dir, target_dir).float())
+
+
+drafter = eagle3_drafter  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

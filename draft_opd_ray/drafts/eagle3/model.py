@@ -614,3 +614,7 @@ def fresh_eagle3(target_path: str | os.PathLike[str], draft: Any, seed: int) -> 
     """A new head for ``draft`` (a DraftConfig: its aux layers), the start of a run with neither SFT nor
     draft.path."""
     return init_eagle3(target_path, aux_layer_ids=draft.aux_layer_ids, seed=seed)
+
+
+# the kind's interface (`drafts/kind.py`, `Pieces.of`)
+load, save, fresh = load_eagle3, save_eagle3, fresh_eagle3

@@ -183,3 +183,6 @@ def eagle3_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: Recip
         lambda b: _ttt_flops(head.config, b, draft.ttt_steps),
         lambda m, out, t: save_eagle3(m, out, t),  # type: ignore[arg-type]
     )
+
+
+recipe = eagle3_recipe  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

@@ -63,3 +63,6 @@ class Eagle3Student(DraftStudent):
     def save(self, out_dir: str) -> str:
         save_eagle3(self.model, out_dir, self.target)
         return out_dir
+
+
+student = Eagle3Student  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

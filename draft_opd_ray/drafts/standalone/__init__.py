@@ -12,18 +12,9 @@ from draft_opd_ray.errors import ConfigError, ModelError
 
 
 def pieces() -> Pieces:
-    from draft_opd_ray.drafts.standalone.drafter import standalone_drafter
-    from draft_opd_ray.drafts.standalone.model import load_standalone, save_standalone
-    from draft_opd_ray.drafts.standalone.recipe import standalone_recipe
-    from draft_opd_ray.drafts.standalone.student import StandaloneStudent
+    from draft_opd_ray.drafts.standalone import drafter, model, recipe, student
 
-    return Pieces(
-        load=load_standalone,
-        save=save_standalone,
-        student=StandaloneStudent,
-        recipe=standalone_recipe,
-        drafter=standalone_drafter,
-    )
+    return Pieces.of(model, student, recipe, drafter)
 
 
 def check_fits(d: DraftConfig, num_layers: int, vocab_size: int) -> None:

@@ -61,3 +61,6 @@ def standalone_drafter(
     target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]
 ) -> Any:
     return CausalLMDrafter(load_standalone(draft_dir, target_dir).eval())
+
+
+drafter = standalone_drafter  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

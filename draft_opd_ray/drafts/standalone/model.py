@@ -105,3 +105,7 @@ def save_standalone(
     copy_tokenizer_files(target_path, out)
     check_standalone_against_target(out, target_path)
     return out
+
+
+# the kind's interface (`drafts/kind.py`, `Pieces.of`)
+load, save = load_standalone, save_standalone

@@ -87,3 +87,6 @@ def standalone_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: R
         lambda b: 3.0 * target_forward_flops(model_config_info(lm), *batch_shape(b)),
         lambda m, out, t: save_standalone(m, out, t),
     )
+
+
+recipe = standalone_recipe  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

@@ -84,3 +84,6 @@ class StandaloneStudent(DraftStudent):
     def save(self, out_dir: str) -> str:
         save_standalone(self.model, out_dir, self.target)
         return out_dir
+
+
+student = StandaloneStudent  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

@@ -13,19 +13,9 @@ from draft_opd_ray.errors import ConfigError
 
 
 def pieces() -> Pieces:
-    from tests.kinds.toykind.drafter import toy_drafter
-    from tests.kinds.toykind.model import fresh_toy, load_toy, save_toy
-    from tests.kinds.toykind.recipe import toy_recipe
-    from tests.kinds.toykind.student import ToyStudent
+    from tests.kinds.toykind import drafter, model, recipe, student
 
-    return Pieces(
-        load=load_toy,
-        save=save_toy,
-        student=ToyStudent,
-        recipe=toy_recipe,
-        drafter=toy_drafter,
-        fresh=fresh_toy,
-    )
+    return Pieces.of(model, student, recipe, drafter)
 
 
 def check_config(d: DraftConfig) -> None:

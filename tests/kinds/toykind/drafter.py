@@ -11,3 +11,6 @@ from tests.kinds.toykind.model import load_toy
 
 def toy_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:
     return CausalLMDrafter(load_toy(draft_dir, target_dir).eval())
+
+
+drafter = toy_drafter  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

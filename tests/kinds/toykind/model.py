@@ -30,3 +30,7 @@ def load_toy(path: PathLike, target: PathLike) -> nn.Module:
 
 def save_toy(model: nn.Module, out: PathLike, target: PathLike) -> Path:
     return save_standalone(model, out, target)
+
+
+# the kind's interface (`drafts/kind.py`, `Pieces.of`)
+load, save, fresh = load_toy, save_toy, fresh_toy

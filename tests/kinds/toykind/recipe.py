@@ -27,3 +27,6 @@ def toy_recipe(target: str | os.PathLike[str], draft: DraftConfig, src: RecipeIn
         lambda b: 0.0,
         lambda m, out, t: save_toy(m, out, t),
     )
+
+
+recipe = toy_recipe  # the kind's interface (`drafts/kind.py`, `Pieces.of`)

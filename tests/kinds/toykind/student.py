@@ -52,3 +52,6 @@ class ToyStudent(DraftStudent):
     def save(self, out_dir: str) -> str:
         save_toy(self.model, out_dir, self.target)
         return out_dir
+
+
+student = ToyStudent  # the kind's interface (`drafts/kind.py`, `Pieces.of`)
