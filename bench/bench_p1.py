@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--sft-prompts", type=int, default=768)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--eval-prompts", type=int, default=40)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--opd-override", nargs="*", default=[])
     ap.add_argument("--skip", default="", help="comma list of arms already done: opd,sft")
     ap.add_argument(
@@ -127,7 +127,14 @@ def main() -> None:
     drafts = [warm, sft_draft, opd_draft / "draft"]
     target = ensure_embedded_target()
     prompts = prompt_ids("mtbench", "all", args.eval_prompts, target)
-    taus = measure_drafts(target, "eagle3", drafts, prompts, k=args.k, max_new_tokens=256)
+    taus = measure_drafts(
+        target,
+        "eagle3",
+        drafts,
+        prompts,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_new_tokens=256,
+    )
     t_warm, t_sft, t_opd = (taus[str(d)]["tau_vllm"] for d in drafts)
     out = {
         "P1": t_opd / t_sft,

@@ -38,17 +38,23 @@ def time_sequence(t, actor, model, rng: random.Random, args: argparse.Namespace)
     """Median seconds of packed, plain (and naive) scoring of one trajectory, interleaved over repeats."""
     from draft_opd_ray.wire import ReplayItem, pack_branches
 
-    K = args.k
+    num_speculative_tokens = args.num_speculative_tokens
     seq = t.prompt_ids + t.response_ids
     p, T = len(t.prompt_ids), len(seq)
-    positions = sorted(rng.sample(range(p - 1, T - K - 1), min(args.anchors, T - K - p)))
+    positions = sorted(
+        rng.sample(
+            range(p - 1, T - num_speculative_tokens - 1), min(args.anchors, T - num_speculative_tokens - p)
+        )
+    )
     drafted, accepted = [], []
     for n in positions:
-        a = rng.randint(0, K)
-        drafted.append(seq[n + 1 : n + 1 + a] + [rng.randrange(100, 40000) for _ in range(K - a)])
+        a = rng.randint(0, num_speculative_tokens)
+        drafted.append(
+            seq[n + 1 : n + 1 + a] + [rng.randrange(100, 40000) for _ in range(num_speculative_tokens - a)]
+        )
         accepted.append(a)
     item = ReplayItem(seq, positions, drafted, accepted, policy_version=0)
-    L = len(pack_branches(item, K).input_ids)
+    L = len(pack_branches(item, num_speculative_tokens).input_ids)
     plain_ids = torch.tensor([seq + seq[: L - T]])
 
     def packed() -> None:
@@ -59,7 +65,7 @@ def time_sequence(t, actor, model, rng: random.Random, args: argparse.Namespace)
 
     def naive() -> None:
         for n, y in zip(item.anchor_pos, item.drafted):
-            model(torch.tensor([item.input_ids[: n + 1] + y[: K - 1]]), use_cache=False)
+            model(torch.tensor([item.input_ids[: n + 1] + y[: num_speculative_tokens - 1]]), use_cache=False)
 
     fns: dict[str, Callable[[], None]] = {
         "packed": packed,
@@ -93,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=6)
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence (anchor.max_per_sequence)")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-response", type=int, default=200)
     ap.add_argument("--prompts", type=int, default=64, help="ShareGPT train prompts of the trajectory cache")
@@ -127,7 +133,7 @@ def main() -> None:
     )
     trajs = [t for t in trajs if len(t.response_ids) >= args.min_response][: args.sequences]
     configs = (
-        DraftConfig(num_speculative_tokens=args.k),
+        DraftConfig(num_speculative_tokens=args.num_speculative_tokens),
         TeacherConfig(dtype="float32", topk=None),  # the full payload
         LossConfig(),
         ReplayConfig(),
@@ -140,7 +146,12 @@ def main() -> None:
         rows.append(time_sequence(t, actor, model, rng, args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "repeats_s"}), flush=True)
     p4 = round(statistics.median(r["packed_over_plain"] for r in rows), 3)
-    summary = {"P4": p4, "sequences": len(rows), "anchors_per_sequence": args.anchors, "K": args.k}
+    summary = {
+        "P4": p4,
+        "sequences": len(rows),
+        "anchors_per_sequence": args.anchors,
+        "K": args.num_speculative_tokens,
+    }
     if args.naive:
         summary["naive_over_plain"] = round(statistics.median(r["naive_over_plain"] for r in rows), 2)
     print(json.dumps(summary), flush=True)

@@ -110,7 +110,7 @@ def global_metrics_check(target, draft, prompts, args) -> tuple[str, dict]:
         enforce_eager=True,
         seed=0,
         gpu_memory_utilization=0.5,
-        speculative_config=speculative_config("standalone", str(draft), args.k),
+        speculative_config=speculative_config("standalone", str(draft), args.num_speculative_tokens),
         per_request_spec_decode_metrics="detailed",
         scheduler_cls=SCHEDULER,
         worker_extension_cls=EXTENSION,
@@ -165,7 +165,7 @@ def global_metrics_check(target, draft, prompts, args) -> tuple[str, dict]:
 
 def write_p2_p3(args: argparse.Namespace, n_prompts: int, p2: dict, p3: dict) -> None:
     """results/bench/P2.json and P3.json from the run's measurements (module docstring for what each is)."""
-    setup = {"prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "k": args.k}
+    setup = {"prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "k": args.num_speculative_tokens}
     setup |= {
         "draft_layers": args.draft_layers,
         "source": args.source,
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--source", default="mtbench", help="prompt set (PromptSetConfig.source)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=29, help="standalone draft = first N target layers")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=6, help="timed pairs per creation order, interleaved")
@@ -221,11 +221,11 @@ def main() -> None:
         prompts = [list(p.token_ids) for p in pset.prompts]
         print(
             f"setup: {len(prompts)} {pset.name} prompts (mean {statistics.fmean(map(len, prompts)):.0f} tokens), "
-            f"{args.max_new_tokens} new tokens each, K={args.k}, standalone draft of {args.draft_layers} layers",
+            f"{args.max_new_tokens} new tokens each, K={args.num_speculative_tokens}, standalone draft of {args.draft_layers} layers",
             flush=True,
         )
         configs = (
-            DraftConfig(kind="standalone", num_speculative_tokens=args.k),
+            DraftConfig(kind="standalone", num_speculative_tokens=args.num_speculative_tokens),
             TargetConfig(max_model_len=args.max_model_len),
             RolloutConfig(),
         )
@@ -305,7 +305,7 @@ def main() -> None:
             f"P3 {head:.4f} wall-throughput ratio record/plain (geometric mean over creation orders "
             f"{', '.join(ratios)} of the median per-pair ratio; pooled {_stats(pooled)}); tokens per CPU-second "
             f"{head_cpu:.4f}; record {m_rec:.1f} tok/s (sd {_sd(thr['record']):.1f}), plain {m_plain:.1f} tok/s "
-            f"(sd {_sd(thr['plain']):.1f}); {len(prompts)} prompts x {args.max_new_tokens} tokens, K={args.k}, "
+            f"(sd {_sd(thr['plain']):.1f}); {len(prompts)} prompts x {args.max_new_tokens} tokens, K={args.num_speculative_tokens}, "
             f"tau {t:.2f}; vLLM steps per call record {sorted(steps_per_call['record'])} plain "
             f"{sorted(steps_per_call['plain'])} (target >= 0.97)"
         )

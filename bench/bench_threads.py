@@ -26,7 +26,7 @@ import torch
 from _results import add_result_args, write_result
 
 
-def items(n: int, k: int, length: int = 600, prompt: int = 150) -> list:
+def items(n: int, num_speculative_tokens: int, length: int = 600, prompt: int = 150) -> list:
     from draft_opd_ray.wire import ReplayItem
 
     rng = random.Random(0)
@@ -36,7 +36,7 @@ def items(n: int, k: int, length: int = 600, prompt: int = 150) -> list:
         anchors, drafted, accepted = [], [], []
         pos = prompt
         while pos < length - 1:
-            kv = min(k, length - 1 - pos)
+            kv = min(num_speculative_tokens, length - 1 - pos)
             a = min(rng.choice([0, 0, 0, 1, 1, 2, 4]), kv)
             anchors.append(pos)
             drafted.append(ids[pos + 1 : pos + 1 + a] + [rng.randrange(100, 40000) for _ in range(kv - a)])
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument(
         "--layers", type=int, default=6, help="the slice: the first ceil(n/2) and last floor(n/2)"
     )
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     add_result_args(ap)
     args = ap.parse_args()
 
@@ -72,9 +72,9 @@ def main() -> None:
     draft = Path(default_cache_dir()) / "bench" / f"standalone_slice_{'_'.join(map(str, layer_ids))}"
     if not (draft / "config.json").exists():
         build_standalone_from_target(target, draft, layer_ids=layer_ids)
-    batch = items(args.sequences, args.k)
+    batch = items(args.sequences, args.num_speculative_tokens)
     cfg = Config()
-    draft_cfg = DraftConfig(kind="standalone", num_speculative_tokens=args.k)
+    draft_cfg = DraftConfig(kind="standalone", num_speculative_tokens=args.num_speculative_tokens)
     optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0, schedule="constant")
     learner_cfg = LearnerConfig(zero_stage=cfg.learner.zero_stage, dtype="float32")
     replay_cfgs = (

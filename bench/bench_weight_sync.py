@@ -140,7 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--draft-layers", type=int, default=29, help="standalone draft = first N target layers")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10, help="timed publications (each paired with a memcpy)")
     ap.add_argument("--prompts", type=int, default=16)
@@ -214,7 +214,7 @@ def main() -> None:
             actor.remote(
                 rank,
                 EngineRun(str(target), "standalone", str(draft), cpu_bind=str(rank % (os.cpu_count() or 1))),
-                DraftConfig(kind="standalone", num_speculative_tokens=args.k),
+                DraftConfig(kind="standalone", num_speculative_tokens=args.num_speculative_tokens),
                 TargetConfig(max_model_len=args.max_model_len),
                 RolloutConfig(),
             )

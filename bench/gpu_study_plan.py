@@ -144,20 +144,23 @@ def eval_prompts(cfg: dict[str, Any], kind: str) -> int:
 # ------------------------------------------------------------------------------------------------ GPU-hours
 
 
-def chain_alpha(tau: float, k: int) -> float:
-    """Per-position acceptance of a chain with tau = sum_{j=0..k} alpha^j (docs/scaling.md), by bisection."""
+def chain_alpha(tau: float, num_speculative_tokens: int) -> float:
+    """Per-position acceptance of a chain with tau = sum_{j=0..K} alpha^j, K = ``num_speculative_tokens``
+    (docs/scaling.md), by bisection."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid**j for j in range(k + 1)) < tau else (lo, mid)
+        lo, hi = (mid, hi) if sum(mid**j for j in range(num_speculative_tokens + 1)) < tau else (lo, mid)
     return lo
 
 
-def anchors_and_branch(r: float, tau: float, k: int) -> tuple[float, float]:
+def anchors_and_branch(r: float, tau: float, num_speculative_tokens: int) -> tuple[float, float]:
     """Error anchors of a response of r tokens and the branch tokens the replay scores (docs/scaling.md)."""
-    a = chain_alpha(tau, k)
-    anchors = r / tau * (1 - a**k)
-    rest = sum((k - 1 - j) * a**j * (1 - a) for j in range(k)) / max(1 - a**k, 1e-9)
+    a = chain_alpha(tau, num_speculative_tokens)
+    anchors = r / tau * (1 - a**num_speculative_tokens)
+    rest = sum(
+        (num_speculative_tokens - 1 - j) * a**j * (1 - a) for j in range(num_speculative_tokens)
+    ) / max(1 - a**num_speculative_tokens, 1e-9)
     return anchors, anchors * rest
 
 
@@ -178,11 +181,11 @@ def draft_shape(cfg: dict[str, Any], kind: str) -> Any:
 
 def student_flops(cfg: dict[str, Any], kind: str, seq: float, anchors: float) -> float:
     """Draft forward + backward for one Draft-OPD sequence (the project's own counts, flops.py)."""
-    c, k = draft_shape(cfg, kind), cfg["drafts"][kind]["k"]
+    c, num_speculative_tokens = draft_shape(cfg, kind), cfg["drafts"][kind]["k"]
     if kind == "eagle3":
-        return eagle3_block_flops(c, int(seq), int(anchors), k).total
+        return eagle3_block_flops(c, int(seq), int(anchors), num_speculative_tokens).total
     c.num_layers = cfg["drafts"][kind]["layers"]
-    return 3.0 * dflash_forward_flops(c, int(seq), int(anchors), k)
+    return 3.0 * dflash_forward_flops(c, int(seq), int(anchors), num_speculative_tokens)
 
 
 def sft_student_flops(cfg: dict[str, Any], kind: str, seq: int) -> float:

@@ -172,7 +172,9 @@ def _measure_set(
             flush=True,
         )
         prompts = eval_prompts(name, n, target)
-        have |= measure_drafts(target, kind, todo, prompts, k=4, max_new_tokens=max_new, on_measured=keep)
+        have |= measure_drafts(
+            target, kind, todo, prompts, num_speculative_tokens=4, max_new_tokens=max_new, on_measured=keep
+        )
     return {str(d): have[str(d)] for d in drafts}
 
 
@@ -442,11 +444,11 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
     from draft_opd_ray.wire import TeacherItem
 
     target = str(ensure_embedded_target())
-    k = Config().draft.num_speculative_tokens
+    num_speculative_tokens = Config().draft.num_speculative_tokens
     student, info = draft_kind(kind).student(str(branch), target), read_target_info(target)
     records = [r for f in sorted((opd_run / "anchors").glob("*.parquet")) for r in read_parquet(f)]
     per_pass = once = 0.0
-    for it in committed_items(records, k):
+    for it in committed_items(records, num_speculative_tokens):
         n = len(it.anchor_pos)
         valid = torch.tensor([len(b) for b in it.drafted])
         ids = torch.tensor(it.input_ids)
@@ -454,7 +456,7 @@ def control_epochs(opd_run: Path, branch: Path, kind: str) -> tuple[int, float, 
             ids,
             torch.zeros(0),
             torch.tensor(it.anchor_pos),
-            torch.zeros(n, k, dtype=torch.long),
+            torch.zeros(n, num_speculative_tokens, dtype=torch.long),
             valid,
             valid,
             valid,

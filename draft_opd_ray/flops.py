@@ -54,19 +54,26 @@ def eagle3_train_flops(
     return Flops(float(fwd), float(bwd))
 
 
-def eagle3_block_flops(c: Eagle3Config, seq_len: int, anchors: int, k: int) -> Flops:
+def eagle3_block_flops(c: Eagle3Config, seq_len: int, anchors: int, num_speculative_tokens: int) -> Flops:
     """Student side of Draft-OPD for one sequence (:meth:`Eagle3Draft.block_hidden` + the frozen LM head at the
-    block positions), forward + backward: step 0 runs ``fc`` and the layer over all seq_len rows, steps 2..k
-    the layer over the anchor rows only; the head runs on anchors * k rows; every query sees seq_len keys."""
+    block positions), forward + backward: step 0 runs ``fc`` and the layer over all seq_len rows, steps 2..K
+    (K = ``num_speculative_tokens``) the layer over the anchor rows only; the head runs on anchors * K rows;
+    every query sees seq_len keys."""
     H, A = c.hidden_size, len(c.aux_layer_ids)
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer_p = 2 * H * (q_out + 2 * kv_out) + q_out * H + 3 * H * c.intermediate_size
     head_p = H * c.draft_vocab_size
     fc_p = A * c.target_hidden_size * H
     attn = 4 * c.num_attention_heads * c.head_dim * seq_len
-    layer_rows = seq_len + anchors * (k - 1)
-    fwd = seq_len * 2 * fc_p + layer_rows * (2 * layer_p + attn) + anchors * k * 2 * head_p
-    bwd = seq_len * 2 * fc_p + layer_rows * (4 * layer_p + 2 * attn) + anchors * k * 2 * head_p
+    layer_rows = seq_len + anchors * (num_speculative_tokens - 1)
+    fwd = (
+        seq_len * 2 * fc_p + layer_rows * (2 * layer_p + attn) + anchors * num_speculative_tokens * 2 * head_p
+    )
+    bwd = (
+        seq_len * 2 * fc_p
+        + layer_rows * (4 * layer_p + 2 * attn)
+        + anchors * num_speculative_tokens * 2 * head_p
+    )
     return Flops(float(fwd), float(bwd))
 
 

@@ -208,7 +208,7 @@ class PackedBranches:
     rows: list[torch.Tensor]  # per anchor: the logit rows that are its teacher positions k = 1..valid
 
 
-def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
+def pack_branches(it: ReplayItem, num_speculative_tokens: int) -> PackedBranches:
     """Block position k of anchor (n, y, a) has context x_{<=n} y_{<k}. For k <= a+1 that is the committed
     stream (row n+k-1). For k >= a+2 the context contains the rejected y_{a+1}: those rows are a branch
     y_{a+1}..y_{K'-1} appended after the stream at positions n+a+1.., attending to x_{<=n+a} and to the earlier
@@ -217,7 +217,7 @@ def pack_branches(it: ReplayItem, k: int) -> PackedBranches:
     ids, pos, rows = list(it.input_ids), list(range(T)), []
     spans: list[tuple[int, int, int]] = []  # (first packed index, length, prefix end n+a inclusive)
     for n, y, a in zip(it.anchor_pos, it.drafted, it.accepted):
-        kk = min(len(y), k)
+        kk = min(len(y), num_speculative_tokens)
         on_stream = max(0, min(a + 1, kk, T - n))
         r = list(range(n, n + on_stream))
         if on_stream == a + 1 and a + 1 < kk:

@@ -67,7 +67,7 @@ class ReplayCase:
     eagle3: Path  # a fresh EAGLE-3 head on target layers (0, 1, 2)
     model: Any  # the target as an HF causal LM
     item: ReplayItem  # one greedy answer with five anchors (accepted 0..4, the rest of each block random)
-    k: int
+    num_speculative_tokens: int
 
     def draft(self, kind: str, out: Path, num_layers: int = 1) -> Path:
         """A draft folder of ``kind`` for the tiny target (the EAGLE-3 head of the case, or a new one)."""
@@ -79,7 +79,9 @@ class ReplayCase:
         if kind == "standalone":
             return build_standalone_from_target(self.target, out, num_layers=num_layers)
         return save_dflash(
-            init_dflash(self.target, num_layers=num_layers, block_size=self.k + 1), out, self.target
+            init_dflash(self.target, num_layers=num_layers, block_size=self.num_speculative_tokens + 1),
+            out,
+            self.target,
         )
 
     def replay(self, kind: str, draft: Path, **kwargs: Any) -> Any:
@@ -88,7 +90,7 @@ class ReplayCase:
         from tests.helpers import replay_actor
 
         feats, ids = draft_kind(kind).replay_needs(str(draft), str(self.target))
-        return replay_actor(self.target, feats, ids, self.k, kind=kind, **kwargs)
+        return replay_actor(self.target, feats, ids, self.num_speculative_tokens, kind=kind, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +107,13 @@ def replay_case(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> 
     prompt = [1, 45, 900, 12, 7, 300]
     seq = prompt + target_generate(model, [prompt], max_new_tokens=24)[0]
     rng = random.Random(0)
-    K = 4
+    num_speculative_tokens = 4
     anchors, drafted, accepted = [], [], []
     for n, a in [(6, 0), (9, 2), (14, 4), (20, 1), (24, 3)]:  # (anchor position, accepted)
-        y = seq[n + 1 : n + 1 + a] + [rng.randrange(100, 40000) for _ in range(K - a)]
+        y = seq[n + 1 : n + 1 + a] + [rng.randrange(100, 40000) for _ in range(num_speculative_tokens - a)]
         anchors.append(n)
-        drafted.append(y[:K])
+        drafted.append(y[:num_speculative_tokens])
         accepted.append(a)
-    return ReplayCase(tiny_target, draft, model, ReplayItem(seq, anchors, drafted, accepted, 0), K)
+    return ReplayCase(
+        tiny_target, draft, model, ReplayItem(seq, anchors, drafted, accepted, 0), num_speculative_tokens
+    )

@@ -112,14 +112,16 @@ def learner_configs(
     )
 
 
-def synth(rng: random.Random, k: int = 4, steps: int = 6, prompt_len: int = 5) -> RequestRecord:
+def synth(
+    rng: random.Random, num_speculative_tokens: int = 4, steps: int = 6, prompt_len: int = 5
+) -> RequestRecord:
     """A consistent record built step by step, the way an engine commits tokens."""
     prompt = [rng.randrange(100) for _ in range(prompt_len)]
     resp = [rng.randrange(100)]
     rec = RequestRecord(prompt_ids=prompt, response_ids=resp, finish_reason="length")
     for v in range(steps):
-        drafted = [rng.randrange(100) for _ in range(k)]
-        a = rng.randint(0, k)
+        drafted = [rng.randrange(100) for _ in range(num_speculative_tokens)]
+        a = rng.randint(0, num_speculative_tokens)
         rec.anchor_pos.append(len(prompt) + len(resp) - 1)
         rec.drafted.append(drafted)
         rec.accepted.append(a)
@@ -277,17 +279,22 @@ def target_features(target: Any, seq: list[int], indices: Sequence[int]) -> torc
 
 @torch.no_grad()
 def greedy_spec_decode(
-    target: Any, propose: Callable[[list[int]], list[int]], prompt: list[int], max_tokens: int, k: int
+    target: Any,
+    propose: Callable[[list[int]], list[int]],
+    prompt: list[int],
+    max_tokens: int,
+    num_speculative_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Greedy speculative decoding of one request, step by step: ``propose(seq)`` drafts k ids after the
-    committed ``seq``, the target verifies them. Returns (output ids, accepted drafted tokens per step)."""
+    """Greedy speculative decoding of one request, step by step: ``propose(seq)`` drafts
+    ``num_speculative_tokens`` ids after the committed ``seq``, the target verifies them. Returns (output ids,
+    accepted drafted tokens per step)."""
     seq = prompt + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
     accepted: list[int] = []
     while len(seq) - len(prompt) < max_tokens:
         block = propose(seq)
         greedy = target(torch.tensor([seq + block])).logits[0, len(seq) - 1 :].argmax(-1).tolist()
         a = 0
-        while a < k and block[a] == greedy[a]:
+        while a < num_speculative_tokens and block[a] == greedy[a]:
             a += 1
         accepted.append(a)
         seq += block[:a] + [greedy[a]]

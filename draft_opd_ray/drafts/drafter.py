@@ -1,15 +1,18 @@
 """The drafter side of the reference engine (`rollout/reference.py`): the contracts it drafts through and the
 base of the feature-conditioned drafters.
 
-`Drafter` proposes k tokens per sequence with their draft distributions q; a `FeatureDrafter` (EAGLE-3, DFlash)
-is also handed the target's hidden states from the engine's own verification pass, for positions 0..n-1 of a
-committed sequence x_0..x_n (the last token's state does not exist yet), exactly what vLLM's proposers see after a
-verification step. Called without ``features`` (outside the engine) a feature drafter runs one target forward
-itself. Each kind's drafter and its factory (`DraftKind.drafter`) are in its folder (`drafts/<kind>/drafter.py`).
+`Drafter` proposes K = ``num_speculative_tokens`` tokens per sequence with their draft distributions q; a
+`FeatureDrafter` (EAGLE-3, DFlash) is also handed the target's hidden states from the engine's own
+verification pass, for positions 0..n-1 of a committed sequence x_0..x_n (the last token's state does not
+exist yet), exactly what vLLM's proposers see after a verification step. Called without ``features`` (outside
+the engine) a feature drafter runs one target forward itself. Each kind's drafter and its factory
+(`DraftKind.drafter`) are in its folder (`drafts/<kind>/drafter.py`).
 
     drafter = draft_kind("eagle3").drafter(target, draft_dir, target_dir)
     stop = target_stop_token_ids(target_dir)  # every eos id of the target (models/target.py)
-    records = speculative_generate(target, drafter, prompts, k=4, max_new_tokens=64, stop_token_ids=stop)
+    records = speculative_generate(
+        target, drafter, prompts, num_speculative_tokens=4, max_new_tokens=64, stop_token_ids=stop
+    )
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from torch import nn
 Seqs = Sequence[list[int]]  # committed token ids per sequence
 Gen = torch.Generator | None  # the sampling generator (None: greedy or the global one)
 Features = Sequence[torch.Tensor] | None  # per sequence (len - 1, F) target states; None: compute them
-Proposal = tuple[list[list[int]], torch.Tensor]  # drafted ids (k per sequence), q (B, k, V)
+Proposal = tuple[list[list[int]], torch.Tensor]  # drafted ids (K per sequence), q (B, K, V)
 
 
 class Drafter(Protocol):
-    def propose(self, seqs: Seqs, k: int, temperature: float, generator: Gen) -> Proposal:
-        """Drafted ids (k per sequence) and the draft's distributions q over them: (B, k, V) probabilities
+    def propose(
+        self, seqs: Seqs, num_speculative_tokens: int, temperature: float, generator: Gen
+    ) -> Proposal:
+        """Drafted ids (K per sequence) and the draft's distributions q over them: (B, K, V) probabilities
         (one-hot under greedy)."""
         ...
 
@@ -42,7 +47,12 @@ class FeatureDrafter(Protocol):
     hidden_state_indices: tuple[int, ...]
 
     def propose(
-        self, seqs: Seqs, k: int, temperature: float, generator: Gen, features: Features = None
+        self,
+        seqs: Seqs,
+        num_speculative_tokens: int,
+        temperature: float,
+        generator: Gen,
+        features: Features = None,
     ) -> Proposal: ...
 
 
@@ -86,19 +96,24 @@ class FeatureDrafterBase:
         self.draft = draft.eval()
         self.hidden_state_indices: tuple[int, ...] = tuple(draft.hidden_state_indices)
 
-    def _check_k(self, k: int) -> None:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+    def _check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
 
     @torch.no_grad()
     def propose(
-        self, seqs: Seqs, k: int, temperature: float, generator: Gen, features: Features = None
+        self,
+        seqs: Seqs,
+        num_speculative_tokens: int,
+        temperature: float,
+        generator: Gen,
+        features: Features = None,
     ) -> Proposal:
-        """Drafted target ids (k per sequence) and q (B, k, V) over the target vocabulary (one-hot if greedy).
+        """Drafted target ids (K per sequence) and q (B, K, V) over the target vocabulary (one-hot if greedy).
 
         features[b]: (len(seqs[b]) - 1, F) target states of every position but the last; None = compute them.
         """
-        self._check_k(k)
+        self._check_num_speculative_tokens(num_speculative_tokens)
         if min(len(s) for s in seqs) < 2:
             raise ValueError(
                 "a feature-conditioned draft needs >= 2 committed tokens (one with a target state)"
@@ -119,6 +134,11 @@ class FeatureDrafterBase:
         dev = next(self.draft.parameters()).device
         lengths = torch.tensor([len(s) for s in seqs], device=dev)
         drafted, q = self.draft.propose(
-            ids.to(dev), feats.to(dev), lengths, k, temperature=temperature, generator=generator
+            ids.to(dev),
+            feats.to(dev),
+            lengths,
+            num_speculative_tokens,
+            temperature=temperature,
+            generator=generator,
         )
         return drafted.tolist(), q.float().cpu()

@@ -40,7 +40,11 @@ class Student(Protocol):
     def block_hidden(self, b: TeacherItem) -> torch.Tensor: ...
 
     def greedy_blocks(
-        self, ids: torch.Tensor, feats: torch.Tensor | None, anchors: torch.Tensor, k: int
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor | None,
+        anchors: torch.Tensor,
+        num_speculative_tokens: int,
     ) -> torch.Tensor: ...
 
     def flops(self, b: TeacherItem) -> float: ...

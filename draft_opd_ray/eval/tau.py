@@ -84,7 +84,7 @@ def measure_drafts(
     drafts: Sequence[str | os.PathLike[str]],
     prompts: Sequence[list[int]],
     *,
-    k: int,
+    num_speculative_tokens: int,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] | None = None,
     max_model_len: int = 2048,
@@ -107,7 +107,7 @@ def measure_drafts(
     run = EngineRun(str(target), kind, str(drafts[0]), cpu_bind=all_cores())  # alone: on CPU, every core
     engine = SpecDecodeEngine(
         run,
-        DraftConfig(kind=kind, num_speculative_tokens=k),
+        DraftConfig(kind=kind, num_speculative_tokens=num_speculative_tokens),
         TargetConfig(max_model_len=max_model_len),
         RolloutConfig(),
     )

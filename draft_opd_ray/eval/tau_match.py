@@ -31,7 +31,7 @@ def tau_match(
     draft_dir: str | Path,
     prompts: Sequence[list[int]],
     *,
-    k: int,
+    num_speculative_tokens: int,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def tau_match(
     tic = time.monotonic()
     engine = SpecDecodeEngine(
         EngineRun(target_dir, kind, draft_dir),
-        DraftConfig(kind=kind, num_speculative_tokens=k),
+        DraftConfig(kind=kind, num_speculative_tokens=num_speculative_tokens),
         TargetConfig(max_model_len=2048),
         RolloutConfig(),
     )
@@ -65,7 +65,12 @@ def tau_match(
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     drafter = draft_kind(kind).drafter(target, draft_dir, target_dir)
     ref = speculative_generate(
-        target, drafter, prompts, k=k, max_new_tokens=max_new_tokens, stop_token_ids=stop
+        target,
+        drafter,
+        prompts,
+        num_speculative_tokens=num_speculative_tokens,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop,
     )
     ref_s = time.monotonic() - tic
     tv, tr = served_stats["tau_vllm"], tau_stats(ref)["tau"]
@@ -73,7 +78,7 @@ def tau_match(
         "kind": kind,
         "draft": str(draft_dir),
         "speculative_config": spec,
-        "k": k,
+        "k": num_speculative_tokens,  # the key stays "k" (the results files written by --out)
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "tau_vllm": tv,
@@ -92,7 +97,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", required=True, choices=tuple(KINDS))
     ap.add_argument("--draft", required=True, type=Path)
-    ap.add_argument("--k", type=int, default=None, help="default: 4 (a block drafter: its block size - 1)")
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="default: 4 (a block drafter: its block size - 1)",
+    )
     ap.add_argument("--prompts", type=int, default=8, help="held-out MT-Bench prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -103,12 +113,21 @@ def main() -> None:
     from draft_opd_ray.models.embedded import ensure_embedded_target
 
     target = ensure_embedded_target()
-    k = args.k
-    if k is None:
+    num_speculative_tokens = args.num_speculative_tokens
+    if num_speculative_tokens is None:
         block = json.loads((args.draft / "config.json").read_text()).get("block_size")
-        k = int(block) - 1 if block else 4  # a block drafter proposes block_size - 1 tokens
+        num_speculative_tokens = (
+            int(block) - 1 if block else 4
+        )  # a block drafter proposes block_size - 1 tokens
     prompts = prompt_ids("mtbench", "all", args.prompts, target)
-    res = tau_match(target, args.kind, args.draft, prompts, k=k, max_new_tokens=args.max_new_tokens)
+    res = tau_match(
+        target,
+        args.kind,
+        args.draft,
+        prompts,
+        num_speculative_tokens=num_speculative_tokens,
+        max_new_tokens=args.max_new_tokens,
+    )
     print(json.dumps(res, indent=2), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

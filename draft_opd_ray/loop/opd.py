@@ -36,7 +36,7 @@ from draft_opd_ray.wire import ReplayItem, RequestRecord, TeacherSummary
 EMPTY_ROUNDS_LIMIT = 3  # rounds per worker in a row without one usable record before a step gives up
 
 
-def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem]:
+def committed_items(records: Sequence[RequestRecord], num_speculative_tokens: int) -> list[ReplayItem]:
     """`loss.objective=sft_on_rollouts`: every response position of every rollout as an anchor whose block is the
     committed continuation itself (all of it "accepted"), so the learner's cross-entropy is on committed tokens
     with the SFT arm's training-time-test states, and no drafted block is scored."""
@@ -44,7 +44,7 @@ def committed_items(records: Sequence[RequestRecord], k: int) -> list[ReplayItem
     for r in records:
         seq = r.prompt_ids + r.response_ids
         starts = range(len(r.prompt_ids) - 1, len(seq) - 1)  # the first response token is predicted too
-        blocks = [seq[n + 1 : n + 1 + k] for n in starts]
+        blocks = [seq[n + 1 : n + 1 + num_speculative_tokens] for n in starts]
         items.append(
             ReplayItem(seq, list(starts), blocks, [len(b) for b in blocks], max(0, min(r.policy_version)))
         )
@@ -104,10 +104,10 @@ def make_weight_sync(
     return SharedFileWeightSync(receivers) if kind == "shm_file" else ObjectStoreWeightSync(receivers)
 
 
-def rollout_target_flops(info: Any, r: RequestRecord, k: int) -> float:
+def rollout_target_flops(info: Any, r: RequestRecord, num_speculative_tokens: int) -> float:
     """Target verification work of one rollout: prefill + (K + 1) tokens per step (weights only, no attention)."""
     per_token = target_forward_flops(info, 1, 1)
-    return per_token * (len(r.prompt_ids) + r.num_steps * (k + 1))
+    return per_token * (len(r.prompt_ids) + r.num_steps * (num_speculative_tokens + 1))
 
 
 def save_checkpoint(

@@ -27,12 +27,13 @@ def tau_vllm(records: Sequence[RequestRecord]) -> float:
     return 1.0 + sum(max(r.vllm_accepted, 0) for r in records) / steps if steps else float("nan")
 
 
-def acceptance_per_position(records: Sequence[RequestRecord], k: int) -> list[float]:
-    """P(position j of a drafted block is accepted), j = 1..k, over the steps that drafted >= j tokens."""
-    hit, seen = np.zeros(k), np.zeros(k)
+def acceptance_per_position(records: Sequence[RequestRecord], num_speculative_tokens: int) -> list[float]:
+    """P(position j of a drafted block is accepted), j = 1..``num_speculative_tokens``, over the steps that
+    drafted >= j tokens."""
+    hit, seen = np.zeros(num_speculative_tokens), np.zeros(num_speculative_tokens)
     for r in records:
         for a, d in zip(r.accepted, r.drafted):
-            m = min(len(d), k)
+            m = min(len(d), num_speculative_tokens)
             seen[:m] += 1
             hit[: min(a, m)] += 1
     return [float(h / s) if s else float("nan") for h, s in zip(hit, seen)]

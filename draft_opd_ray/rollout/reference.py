@@ -81,7 +81,7 @@ def speculative_generate(
     drafter: Drafter,
     prompts: Sequence[list[int]],
     *,
-    k: int,
+    num_speculative_tokens: int,
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] = (),
@@ -110,9 +110,11 @@ def speculative_generate(
     while active:
         seqs = [recs[j].prompt_ids + recs[j].response_ids for j in active]
         if isinstance(drafter, FeatureDrafter):
-            drafted, q = drafter.propose(seqs, k, temperature, gen, features=[ctx[j] for j in active])
+            drafted, q = drafter.propose(
+                seqs, num_speculative_tokens, temperature, gen, features=[ctx[j] for j in active]
+            )
         else:
-            drafted, q = drafter.propose(seqs, k, temperature, gen)
+            drafted, q = drafter.propose(seqs, num_speculative_tokens, temperature, gen)
         logits, feats = padded_forward(target, [s + d for s, d in zip(seqs, drafted)], indices)
         for i, (j, s, d) in enumerate(zip(active, seqs, drafted)):
             r = recs[j]

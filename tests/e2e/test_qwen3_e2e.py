@@ -129,5 +129,5 @@ def test_qwen3_target_through_sft_opd_and_eval(tmp_path: Path) -> None:
     from draft_opd_ray.eval.tau_match import tau_match
 
     prompts = [list(x.prompt_ids) for x in recs[:4]]
-    m = tau_match(target, "eagle3", draft, prompts, k=4, max_new_tokens=24)
+    m = tau_match(target, "eagle3", draft, prompts, num_speculative_tokens=4, max_new_tokens=24)
     assert m["identical"] == len(prompts) and abs(m["ratio"] - 1) < 0.02, m

@@ -104,7 +104,7 @@ def test_sft_on_rollouts_is_cross_entropy_on_committed_tokens_without_teacher(re
     c = replay_case
     prompt_len = 6
     rec = RequestRecord(c.item.input_ids[:prompt_len], c.item.input_ids[prompt_len:], policy_version=[0])
-    items = committed_items([rec], c.k)
+    items = committed_items([rec], c.num_speculative_tokens)
     (t,) = c.replay("eagle3", c.eagle3, teacher=False).score(items)
     assert t.teacher_logprobs is None and t.teacher_topk_ids is None and t.features.shape[1] > 0
     learner = _learner(c.eagle3, c.target, objective="sft_on_rollouts")

@@ -25,7 +25,7 @@ from tests.helpers import chat_prompt_ids, fit_eagle3, randomize_, target_pass
 
 pytestmark = pytest.mark.vllm
 
-K = 4
+NUM_SPECULATIVE_TOKENS = 4
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
 MAX_NEW, EOS = 32, 2
 
@@ -48,7 +48,12 @@ def standalone(smol, tmp_path_factory) -> tuple[Path, list[RequestRecord]]:
     )
     drafter = CausalLMDrafter(load_standalone(folder, smol["path"]).eval())
     recs = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
+        smol["model"],
+        drafter,
+        smol["prompts"],
+        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        max_new_tokens=MAX_NEW,
+        stop_token_ids=(EOS,),
     )
     return folder, recs
 
@@ -64,7 +69,7 @@ def run_vllm(target: Path, kind: str, draft: Path, prompts: list[list[int]]) -> 
     from draft_opd_ray.rollout.engine import Sampling
     from tests.helpers import spec_engine
 
-    engine = spec_engine(target, kind, draft, K, max_model_len=512)
+    engine = spec_engine(target, kind, draft, NUM_SPECULATIVE_TOKENS, max_model_len=512)
     try:
         return engine.generate(prompts, Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)))
     finally:
@@ -125,7 +130,12 @@ def test_eagle3_vllm_equals_reference(smol, smol_batch, tmp_path: Path) -> None:
     save_eagle3(fit_eagle3(head, smol_batch, steps=12, lr=1e-3), tmp_path / "e3", smol["path"])
     drafter = Eagle3Drafter(smol["model"], load_eagle3(tmp_path / "e3", smol["path"]))
     ref = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
+        smol["model"],
+        drafter,
+        smol["prompts"],
+        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        max_new_tokens=MAX_NEW,
+        stop_token_ids=(EOS,),
     )
     _, t_ref = compare(smol, "eagle3", tmp_path / "e3", ref)
     assert t_ref > 1.2  # the comparison covers accepts and rejections
@@ -137,12 +147,17 @@ def test_dflash_vllm_equals_reference(smol, tmp_path: Path) -> None:
     drafted id depend on the exact context, layer ids and positions. They are almost never accepted."""
     from draft_opd_ray.drafts.dflash.model import init_dflash, load_dflash, save_dflash
 
-    draft = init_dflash(smol["path"], num_layers=1, block_size=K + 1)
+    draft = init_dflash(smol["path"], num_layers=1, block_size=NUM_SPECULATIVE_TOKENS + 1)
     randomize_(draft, 0.1, torch.Generator().manual_seed(0))
     save_dflash(draft, tmp_path / "df", smol["path"])
     drafter = DFlashDrafter(smol["model"], load_dflash(tmp_path / "df", smol["path"]))
     ref = speculative_generate(
-        smol["model"], drafter, smol["prompts"], k=K, max_new_tokens=MAX_NEW, stop_token_ids=(EOS,)
+        smol["model"],
+        drafter,
+        smol["prompts"],
+        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        max_new_tokens=MAX_NEW,
+        stop_token_ids=(EOS,),
     )
     assert len({tuple(d) for r in ref for d in r.drafted}) >= 5  # proposals change with the context
     compare(smol, "dflash", tmp_path / "df", ref)

@@ -27,7 +27,7 @@ KINDS = [
     pytest.param("standalone", marks=pytest.mark.slow),
     pytest.param("dflash", marks=pytest.mark.slow),
 ]
-K = 4
+NUM_SPECULATIVE_TOKENS = 4
 
 
 def _draft(kind: str, target: Path, out: Path) -> Path:
@@ -39,7 +39,7 @@ def _draft(kind: str, target: Path, out: Path) -> Path:
         return save_eagle3(init_eagle3(target, aux_layer_ids=[0, 1, 2]), out, target)
     if kind == "standalone":
         return build_standalone_from_target(target, out, num_layers=1)
-    return save_dflash(init_dflash(target, num_layers=1, block_size=K + 1), out, target)
+    return save_dflash(init_dflash(target, num_layers=1, block_size=NUM_SPECULATIVE_TOKENS + 1), out, target)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def case(request: pytest.FixtureRequest, ray_local: Any, tiny_target: Path, tmp_
     worker = ray_local.remote(num_cpus=1)(RolloutWorker).remote(
         0,
         EngineRun(str(tiny_target), kind, str(draft)),
-        DraftConfig(kind=kind, num_speculative_tokens=K),
+        DraftConfig(kind=kind, num_speculative_tokens=NUM_SPECULATIVE_TOKENS),
         TargetConfig(max_model_len=256),
         RolloutConfig(),
     )
@@ -150,7 +150,9 @@ def test_replay_draft_copy_is_checked(case: Any, tiny_target: Path) -> None:
 
     kind, _, draft, state = case
     feats, ids = draft_kind(kind).replay_needs(str(draft), str(tiny_target))
-    replay = replay_actor(tiny_target, feats, ids, K, kind=kind, mode="redraft", draft_dir=str(draft))
+    replay = replay_actor(
+        tiny_target, feats, ids, NUM_SPECULATIVE_TOKENS, kind=kind, mode="redraft", draft_dir=str(draft)
+    )
     noisy = perturbed(state, 0.3, seed=5)
     replay.load_draft_weights(noisy, 5)
     ack = replay.refit_ack()

@@ -38,7 +38,10 @@ def _groups(case: Any) -> tuple[Any, Any]:
     actor = (
         ray.remote(ReplayActor)
         .options(num_cpus=0.1)
-        .remote(ReplayRun(str(case.target), feats, ids, num_threads=1), *replay_configs("eagle3", case.k))
+        .remote(
+            ReplayRun(str(case.target), feats, ids, num_threads=1),
+            *replay_configs("eagle3", case.num_speculative_tokens),
+        )
     )
     run = LearnerRun(str(case.eagle3), str(case.target), total_steps=10, num_threads=1)
     ranks = start_learner_ranks(

@@ -27,7 +27,7 @@ QUESTIONS = [
     "Give me a tip for learning to cook.",
     "What is 12 times 12?",
 ]
-K = 4
+NUM_SPECULATIVE_TOKENS = 4
 SAMPLING = Sampling(max_new_tokens=48, stop_token_ids=(2,))
 
 
@@ -43,7 +43,7 @@ def models(tmp_path_factory, embedded_target):
 @pytest.fixture(scope="module")
 def plain_tokens(models):
     target, _, prompts = models
-    engine = spec_engine(target, "none", None, K, max_model_len=1024)
+    engine = spec_engine(target, "none", None, NUM_SPECULATIVE_TOKENS, max_model_len=1024)
     try:
         return [r.response_ids for r in engine.generate(prompts, SAMPLING)]
     finally:
@@ -63,7 +63,7 @@ def worker(models):
     actor = ray.remote(num_cpus=1)(RolloutWorker).remote(
         0,
         EngineRun(str(target), "standalone", str(draft)),
-        DraftConfig(kind="standalone", num_speculative_tokens=K),
+        DraftConfig(kind="standalone", num_speculative_tokens=NUM_SPECULATIVE_TOKENS),
         TargetConfig(max_model_len=1024),
         RolloutConfig(),
     )
@@ -97,8 +97,10 @@ def test_greedy_speculative_equals_plain_and_records_match_vllm(models, plain_to
         assert all(v == 0 for v in rec.policy_version)
     t, tv = tau(recs), tau_vllm(recs)
     assert abs(t / tv - 1) < 0.01, (t, tv)  # P2
-    assert 1.2 < t < K + 1  # accepts and rejections both happen with this draft
-    assert any(a < K for r in recs for a in r.accepted) and any(a > 0 for r in recs for a in r.accepted)
+    assert 1.2 < t < NUM_SPECULATIVE_TOKENS + 1  # accepts and rejections both happen with this draft
+    assert any(a < NUM_SPECULATIVE_TOKENS for r in recs for a in r.accepted) and any(
+        a > 0 for r in recs for a in r.accepted
+    )
 
 
 def test_bad_requests_do_not_disturb_the_batch(models, plain_tokens, worker) -> None:

@@ -60,7 +60,10 @@ def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
     actors = [
         ray.remote(ReplayActor)
         .options(num_cpus=0.1)
-        .remote(ReplayRun(str(case.target), feats, ids, num_threads=1), *replay_configs("eagle3", case.k))
+        .remote(
+            ReplayRun(str(case.target), feats, ids, num_threads=1),
+            *replay_configs("eagle3", case.num_speculative_tokens),
+        )
         for _ in range(replays)
     ]
     run = LearnerRun(str(case.eagle3), str(case.target), total_steps=10, num_threads=1)

@@ -42,14 +42,20 @@ def plain_greedy(target_dir: Path, max_tokens: int) -> Plain:
 
 
 def assert_serves_losslessly(
-    target_dir: Path, method: str, draft_dir: Path, k: int, max_tokens: int, plain: Plain, expected: list
+    target_dir: Path,
+    method: str,
+    draft_dir: Path,
+    num_speculative_tokens: int,
+    max_tokens: int,
+    plain: Plain,
+    expected: list,
 ) -> None:
-    """vLLM with ``speculative_config`` (method, draft folder, K = k): token ids equal the plain greedy output
+    """vLLM with ``speculative_config`` (method, draft folder, num_speculative_tokens): token ids equal the plain greedy output
     and the reference's, and per-step acceptance equals the reference's ``expected`` (ids, accepted) pairs."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
+    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
     with vllm_llm(
         target_dir, max_model_len=512, speculative_config=spec, per_request_spec_decode_metrics="detailed"
     ) as llm:
@@ -65,7 +71,7 @@ def assert_serves_losslessly(
 def test_exported_eagle3_head_serves_in_vllm_losslessly(tiny_target: Path, tmp_path: Path) -> None:
     """A draft vocabulary of the few ids the target emits makes acceptance sensitive to any difference in the
     computation: features, positions, TTT attention, vocabulary map."""
-    max_tokens, k = 24, 3
+    max_tokens, num_speculative_tokens = 24, 3
     plain = plain_greedy(tiny_target, max_tokens)
     counts = torch.zeros(49152)
     for out in plain.out:
@@ -78,11 +84,17 @@ def test_exported_eagle3_head_serves_in_vllm_losslessly(tiny_target: Path, tmp_p
 
     def propose(seq: list[int]) -> list[int]:
         feats = target_features(plain.target, seq, draft.hidden_state_indices)
-        return draft.propose(torch.tensor([seq]), feats, torch.tensor([len(seq)]), k)[0][0].tolist()
+        return draft.propose(torch.tensor([seq]), feats, torch.tensor([len(seq)]), num_speculative_tokens)[0][
+            0
+        ].tolist()
 
-    expected = [greedy_spec_decode(plain.target, propose, p, max_tokens, k) for p in plain.ids]
+    expected = [
+        greedy_spec_decode(plain.target, propose, p, max_tokens, num_speculative_tokens) for p in plain.ids
+    ]
     assert len({a for _, acc in expected for a in acc} - {0}) >= 2  # the check below is not vacuous
-    assert_serves_losslessly(tiny_target, "eagle3", tmp_path / "draft", k, max_tokens, plain, expected)
+    assert_serves_losslessly(
+        tiny_target, "eagle3", tmp_path / "draft", num_speculative_tokens, max_tokens, plain, expected
+    )
 
 
 def copying_drafter(target_path: Path) -> DFlashDraft:
@@ -111,29 +123,37 @@ def test_exported_dflash_drafter_serves_in_vllm_losslessly(tiny_target: Path, tm
     plain = plain_greedy(tiny_target, max_tokens)
     draft = copying_drafter(tiny_target)
     save_dflash(draft, tmp_path / "draft", tiny_target)
-    k = draft.config.block_size - 1
+    num_speculative_tokens = draft.config.block_size - 1
 
     def propose(seq: list[int]) -> list[int]:
         feats = target_features(plain.target, seq, draft.hidden_state_indices)
         return draft.propose(torch.tensor([seq]), feats, torch.tensor([len(seq)]))[0][0].tolist()
 
-    expected = [greedy_spec_decode(plain.target, propose, p, max_tokens, k) for p in plain.ids]
+    expected = [
+        greedy_spec_decode(plain.target, propose, p, max_tokens, num_speculative_tokens) for p in plain.ids
+    ]
     assert len({a for _, acc in expected for a in acc} - {0}) >= 2  # the check below is not vacuous
-    assert_serves_losslessly(tiny_target, "dflash", tmp_path / "draft", k, max_tokens, plain, expected)
+    assert_serves_losslessly(
+        tiny_target, "dflash", tmp_path / "draft", num_speculative_tokens, max_tokens, plain, expected
+    )
 
 
 def test_standalone_draft_serves_in_vllm_losslessly(tiny_target: Path, tmp_path: Path) -> None:
     """vLLM's draft_model method serves a draft cut from the target (layers 0, 1, 3)."""
-    max_tokens, k = 24, 3
+    max_tokens, num_speculative_tokens = 24, 3
     draft_dir = build_standalone_from_target(tiny_target, tmp_path / "draft", layer_ids=(0, 1, 3))
     plain = plain_greedy(tiny_target, max_tokens)
     draft = load_standalone(draft_dir).eval()
 
     def propose(seq: list[int]) -> list[int]:
         block: list[int] = []
-        for _ in range(k):
+        for _ in range(num_speculative_tokens):
             block.append(int(draft(torch.tensor([seq + block])).logits[0, -1].argmax()))
         return block
 
-    expected = [greedy_spec_decode(plain.target, propose, p, max_tokens, k) for p in plain.ids]
-    assert_serves_losslessly(tiny_target, "draft_model", draft_dir, k, max_tokens, plain, expected)
+    expected = [
+        greedy_spec_decode(plain.target, propose, p, max_tokens, num_speculative_tokens) for p in plain.ids
+    ]
+    assert_serves_losslessly(
+        tiny_target, "draft_model", draft_dir, num_speculative_tokens, max_tokens, plain, expected
+    )

@@ -13,7 +13,7 @@ from tests.helpers import synth
 @pytest.fixture
 def records():
     rng = random.Random(0)
-    return [synth(rng, k=4, steps=8) for _ in range(6)]
+    return [synth(rng, num_speculative_tokens=4, steps=8) for _ in range(6)]
 
 
 def test_all_and_error(records) -> None:
@@ -59,7 +59,7 @@ def test_defaults_drop_no_anchor() -> None:
     from draft_opd_ray.config.schema import AnchorConfig
 
     rng = random.Random(1)
-    recs = [synth(rng, k=4, steps=150) for _ in range(32)]
+    recs = [synth(rng, num_speculative_tokens=4, steps=150) for _ in range(32)]
     a = AnchorConfig()
     got = select_anchors(
         recs, policy="error", max_per_sequence=a.max_per_sequence, max_per_step=a.max_per_step

@@ -83,7 +83,9 @@ def test_a_new_kind_is_one_folder_and_one_table_line(
     kind.check_folder(target, fresh)
     prompts = [[1, 45, 900, 12], [7, 300]]
     drafter = kind.drafter(replay_case.model, folder, target)
-    recs = speculative_generate(replay_case.model, drafter, prompts, k=3, max_new_tokens=8)
+    recs = speculative_generate(
+        replay_case.model, drafter, prompts, num_speculative_tokens=3, max_new_tokens=8
+    )
     assert [r.response_ids for r in recs] == target_generate(replay_case.model, prompts, max_new_tokens=8)
 
 

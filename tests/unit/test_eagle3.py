@@ -157,7 +157,7 @@ def test_propose_is_greedy_drafting_in_target_ids() -> None:
     m = small_head()
     ids, feats = torch.randint(0, V, (2, 8)), torch.randn(2, 8, 2 * H)
     lengths = torch.tensor([5, 8])
-    drafted, q = m.propose(ids, feats, lengths, k=3)
+    drafted, q = m.propose(ids, feats, lengths, num_speculative_tokens=3)
     assert drafted.shape == (2, 3) and q.shape == (2, 3, V)
     assert bool(m.t2d[drafted].all())  # only draft-vocabulary ids are proposed
     for b in range(2):
@@ -169,8 +169,8 @@ def test_propose_is_greedy_drafting_in_target_ids() -> None:
         assert drafted[b].tolist() == expect.tolist()
         assert torch.equal(q[b].argmax(-1), drafted[b]) and torch.equal(q[b].sum(-1), torch.ones(3))
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    s1, _ = m.propose(ids, feats, lengths, k=3, temperature=1.0, generator=g1)
-    s2, _ = m.propose(ids, feats, lengths, k=3, temperature=1.0, generator=g2)
+    s1, _ = m.propose(ids, feats, lengths, num_speculative_tokens=3, temperature=1.0, generator=g1)
+    s2, _ = m.propose(ids, feats, lengths, num_speculative_tokens=3, temperature=1.0, generator=g2)
     assert torch.equal(s1, s2)
 
 

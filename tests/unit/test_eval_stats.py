@@ -36,9 +36,11 @@ from draft_opd_ray.wire import RequestRecord
 from tests.helpers import synth
 
 
-def _records(seed: int, n: int, k: int = 4) -> list[RequestRecord]:
+def _records(seed: int, n: int, num_speculative_tokens: int = 4) -> list[RequestRecord]:
     rng = random.Random(seed)
-    return [synth(rng, k=k, steps=rng.randint(1, 7)) for _ in range(n)]
+    return [
+        synth(rng, num_speculative_tokens=num_speculative_tokens, steps=rng.randint(1, 7)) for _ in range(n)
+    ]
 
 
 def _counts(recs: list[RequestRecord]) -> list[dict[str, int]]:

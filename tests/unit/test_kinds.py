@@ -114,7 +114,7 @@ def test_a_draft_round_trips_through_the_table_and_drafts(
     target = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
     drafter = k.drafter(target, again, tiny_target)
     prompts = [[1, 45, 900, 12], [7, 300]]
-    recs = speculative_generate(target, drafter, prompts, k=3, max_new_tokens=8)
+    recs = speculative_generate(target, drafter, prompts, num_speculative_tokens=3, max_new_tokens=8)
     assert [r.response_ids for r in recs] == target_generate(target, prompts, max_new_tokens=8)
     assert all(consistency_error(r) is None and r.num_steps > 0 for r in recs)
 

@@ -41,13 +41,13 @@ def spec(**kw) -> LossConfig:
     return LossConfig(**{**base, **kw})
 
 
-def anchors(seed: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def anchors(seed: int, n: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random (accepted, valid_len), including full accepts, a = 0 and short blocks (K' < K)."""
     g = torch.Generator().manual_seed(seed)
-    valid_len = torch.randint(1, k + 1, (n,), generator=g)
-    valid_len[0] = k
+    valid_len = torch.randint(1, num_speculative_tokens + 1, (n,), generator=g)
+    valid_len[0] = num_speculative_tokens
     accepted = (torch.rand(n, generator=g) * (valid_len + 1)).long().clamp(max=valid_len)
-    accepted[0], accepted[1] = k, 0
+    accepted[0], accepted[1] = num_speculative_tokens, 0
     return accepted, valid_len
 
 

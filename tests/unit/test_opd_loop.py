@@ -28,7 +28,7 @@ def cfg(policy: str, mode: str = "recorded") -> Config:
 
 def record(versions: list[int], error: str = "", steps: bool = True) -> RequestRecord:
     """A consistent record with one verification step per entry of ``versions`` (its policy versions)."""
-    rec = synth(random.Random(len(versions)), k=3, steps=len(versions) if steps else 0)
+    rec = synth(random.Random(len(versions)), num_speculative_tokens=3, steps=len(versions) if steps else 0)
     rec.policy_version = list(versions) if steps else []
     rec.error = error
     return rec
@@ -41,7 +41,7 @@ def record(versions: list[int], error: str = "", steps: bool = True) -> RequestR
 
 def test_replay_items_carry_every_recorded_block_per_request() -> None:
     rng = random.Random(0)
-    records = [synth(rng, k=4, steps=5) for _ in range(4)]
+    records = [synth(rng, num_speculative_tokens=4, steps=5) for _ in range(4)]
     items = replay_items(records, cfg("all"), seed=0)
     assert len(items) == len(records)
     for it, r in zip(items, records):
@@ -52,7 +52,7 @@ def test_replay_items_carry_every_recorded_block_per_request() -> None:
 
 def test_replay_items_keep_error_anchors_and_leave_out_requests_without_any() -> None:
     rng = random.Random(1)
-    records = [synth(rng, k=4, steps=6) for _ in range(5)]
+    records = [synth(rng, num_speculative_tokens=4, steps=6) for _ in range(5)]
     full = RequestRecord([1, 2], [3, 4, 5, 6, 7], [2], [[4, 5, 6]], [3], [0], [[-0.1] * 3])  # fully accepted
     assert consistency_error(full) is None
     records.insert(2, full)
@@ -71,7 +71,7 @@ def test_random_anchors_need_redraft() -> None:
     """Random positions have no recorded block: recorded replay drops them (and so the whole request); redraft
     keeps them with unknown acceptance and version clamped to 0."""
     rng = random.Random(2)
-    records = [synth(rng, k=4, steps=6) for _ in range(3)]
+    records = [synth(rng, num_speculative_tokens=4, steps=6) for _ in range(3)]
     assert replay_items(records, cfg("random"), seed=0) == []
     items = replay_items(records, cfg("random", "redraft"), seed=0)
     assert items and len(items) <= len(records)
@@ -135,7 +135,7 @@ def test_split_mini_batches_keeps_sequences_whole_and_balanced() -> None:
 def test_sft_on_rollouts_items_are_the_committed_continuations() -> None:
     from draft_opd_ray.loop.opd import committed_items
 
-    rec = synth(random.Random(3), k=4, steps=5)
+    rec = synth(random.Random(3), num_speculative_tokens=4, steps=5)
     c = dataclasses.replace(Config(), loss=LossConfig(objective="sft_on_rollouts"))
     (it,) = replay_items([rec], c, seed=0)
     assert it == committed_items([rec], 4)[0]

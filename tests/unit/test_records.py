@@ -23,7 +23,7 @@ def test_tau_matches_brute_force() -> None:
 
 def test_acceptance_per_position_brute_force() -> None:
     rng = random.Random(1)
-    recs = [synth(rng, k=5) for _ in range(10)]
+    recs = [synth(rng, num_speculative_tokens=5) for _ in range(10)]
     got = acceptance_per_position(recs, 5)
     for j in range(1, 6):
         hits = sum(1 for r in recs for a in r.accepted if a >= j)

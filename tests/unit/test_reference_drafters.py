@@ -22,7 +22,7 @@ from draft_opd_ray.rollout.reference import speculative_generate, target_generat
 from draft_opd_ray.wire import consistency_error
 from tests.helpers import fit_dflash, fit_eagle3, greedy_spec_decode, target_pass, tiny_lm
 
-K = 4
+NUM_SPECULATIVE_TOKENS = 4
 
 
 V, H = 64, 32
@@ -64,7 +64,7 @@ def tiny_dflash(target: LlamaForCausalLM) -> DFlashDraft:
         head_dim=H // 4,
         intermediate_size=2 * H,
         vocab_size=V,
-        block_size=K + 1,
+        block_size=NUM_SPECULATIVE_TOKENS + 1,
         mask_token_id=V - 1,
         target_layer_ids=(0, 2),
         rope_theta=float(target.config.rope_parameters["rope_theta"]),
@@ -74,11 +74,19 @@ def tiny_dflash(target: LlamaForCausalLM) -> DFlashDraft:
 
 
 def sequential_decode(
-    target: torch.nn.Module, drafter: FeatureDrafter, prompt: list[int], k: int, max_new: int
+    target: torch.nn.Module,
+    drafter: FeatureDrafter,
+    prompt: list[int],
+    num_speculative_tokens: int,
+    max_new: int,
 ) -> tuple[list[int], list[int]]:
     """One request, greedy; the drafter computes its own features each step. (response, accepted per step)."""
     return greedy_spec_decode(
-        target, lambda seq: drafter.propose([seq], k, 0.0, None)[0][0], prompt, max_new, k
+        target,
+        lambda seq: drafter.propose([seq], num_speculative_tokens, 0.0, None)[0][0],
+        prompt,
+        max_new,
+        num_speculative_tokens,
     )
 
 
@@ -91,14 +99,18 @@ def test_feature_drafters_are_lossless_and_reuse_verification_states(tiny_lm_cas
     else:
         drafter = DFlashDrafter(target, fit_dflash(tiny_dflash(target), batch, steps=20, lr=3e-3, anchors=16))
     assert isinstance(drafter, FeatureDrafter)
-    recs = speculative_generate(target, drafter, PROMPTS, k=K, max_new_tokens=NEW)
+    recs = speculative_generate(
+        target, drafter, PROMPTS, num_speculative_tokens=NUM_SPECULATIVE_TOKENS, max_new_tokens=NEW
+    )
     assert [r.response_ids for r in recs] == target_generate(target, PROMPTS, max_new_tokens=NEW)
     for r, p in zip(recs, PROMPTS):
         assert consistency_error(r) is None, consistency_error(r)
         # batched, padded, states from the verification pass == one sequence, states recomputed each step
-        assert r.accepted == sequential_decode(target, drafter, p, K, NEW)[1]
+        assert r.accepted == sequential_decode(target, drafter, p, NUM_SPECULATIVE_TOKENS, NEW)[1]
     accepted = [a for r in recs for a in r.accepted]
-    assert any(a > 0 for a in accepted) and any(a < K for a in accepted), accepted  # not vacuous
+    assert any(a > 0 for a in accepted) and any(a < NUM_SPECULATIVE_TOKENS for a in accepted), (
+        accepted
+    )  # not vacuous
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
@@ -110,17 +122,28 @@ def test_feature_drafters_sample_consistent_records(tiny_lm_case, kind: str) -> 
         else DFlashDrafter(target, tiny_dflash(target))
     )
     recs = speculative_generate(
-        target, drafter, PROMPTS, k=K, max_new_tokens=NEW, temperature=1.0, stop_token_ids=(3,), seed=5
+        target,
+        drafter,
+        PROMPTS,
+        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        max_new_tokens=NEW,
+        temperature=1.0,
+        stop_token_ids=(3,),
+        seed=5,
     )
     for r in recs:
         assert consistency_error(r) is None, consistency_error(r)
-        assert all(len(d) == K for d in r.drafted)
+        assert all(len(d) == NUM_SPECULATIVE_TOKENS for d in r.drafted)
 
 
 def test_dflash_block_bounds_k(tiny_lm_case) -> None:
     target, _ = tiny_lm_case
     with pytest.raises(ValueError, match="block_size - 1"):
         speculative_generate(
-            target, DFlashDrafter(target, tiny_dflash(target)), PROMPTS, k=K + 1, max_new_tokens=4
+            target,
+            DFlashDrafter(target, tiny_dflash(target)),
+            PROMPTS,
+            num_speculative_tokens=NUM_SPECULATIVE_TOKENS + 1,
+            max_new_tokens=4,
         )
     assert not isinstance(CausalLMDrafter(target), FeatureDrafter)

@@ -19,15 +19,21 @@ from tests.helpers import tiny_lm
 PROMPTS = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 3, 9], [6]]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_equals_target_greedy(k: int) -> None:
+@pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
+def test_greedy_equals_target_greedy(num_speculative_tokens: int) -> None:
     target, draft = tiny_lm(64, 0), tiny_lm(64, 1)
     want = target_generate(target, PROMPTS, max_new_tokens=24)
-    recs = speculative_generate(target, CausalLMDrafter(draft), PROMPTS, k=k, max_new_tokens=24)
+    recs = speculative_generate(
+        target,
+        CausalLMDrafter(draft),
+        PROMPTS,
+        num_speculative_tokens=num_speculative_tokens,
+        max_new_tokens=24,
+    )
     assert [r.response_ids for r in recs] == want
     for r in recs:
         assert consistency_error(r) is None, consistency_error(r)
-        assert all(len(d) == k for d in r.drafted)
+        assert all(len(d) == num_speculative_tokens for d in r.drafted)
 
 
 def test_cached_proposals_equal_full_recomputation() -> None:
@@ -51,7 +57,9 @@ def test_cached_proposals_equal_full_recomputation() -> None:
 
 def test_draft_equal_to_target_accepts_everything() -> None:
     target = tiny_lm(64, 0)
-    recs = speculative_generate(target, CausalLMDrafter(target), PROMPTS, k=4, max_new_tokens=21)
+    recs = speculative_generate(
+        target, CausalLMDrafter(target), PROMPTS, num_speculative_tokens=4, max_new_tokens=21
+    )
     assert all(a == 4 for r in recs for a in r.accepted)
     assert tau(recs) == 5.0
     assert [r.response_ids for r in recs] == target_generate(target, PROMPTS, max_new_tokens=21)
@@ -62,7 +70,12 @@ def test_eos_stops_and_records_stay_consistent() -> None:
     free = target_generate(target, PROMPTS[:1], max_new_tokens=30)[0]
     eos = free[7]  # a token the target emits: generation must stop right after it
     recs = speculative_generate(
-        target, CausalLMDrafter(draft), PROMPTS[:1], k=3, max_new_tokens=30, stop_token_ids=(eos,)
+        target,
+        CausalLMDrafter(draft),
+        PROMPTS[:1],
+        num_speculative_tokens=3,
+        max_new_tokens=30,
+        stop_token_ids=(eos,),
     )
     resp = recs[0].response_ids
     assert resp == free[: free.index(eos) + 1] and recs[0].finish_reason == "stop"
@@ -95,7 +108,13 @@ def test_sampling_matches_target_distribution() -> None:
     prompt = [1, 2]
     exact = exact_joint(target, prompt, n_tok, vocab)
     recs = speculative_generate(
-        target, CausalLMDrafter(draft), [prompt] * samples, k=2, max_new_tokens=n_tok, temperature=1.0, seed=7
+        target,
+        CausalLMDrafter(draft),
+        [prompt] * samples,
+        num_speculative_tokens=2,
+        max_new_tokens=n_tok,
+        temperature=1.0,
+        seed=7,
     )
     counts = dict.fromkeys(itertools.product(range(vocab), repeat=n_tok), 0)
     for r in recs:

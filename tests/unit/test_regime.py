@@ -15,7 +15,7 @@ from tests.helpers import synth
 
 def test_regime_counts_match_the_losss_position_sets_and_the_anchor_policies() -> None:
     rng = random.Random(3)
-    records = [synth(rng, k=4, steps=rng.randint(1, 9)) for _ in range(12)]
+    records = [synth(rng, num_speculative_tokens=4, steps=rng.randint(1, 9)) for _ in range(12)]
     out = regime(records)
     acc = torch.tensor([a for r in records for a in r.accepted])
     valid = torch.tensor([len(d) for r in records for d in r.drafted])

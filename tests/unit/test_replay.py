@@ -16,8 +16,8 @@ from tests.helpers import perturbed, replay_actor
 
 def test_teacher_matches_naive_per_anchor_forward(replay_case) -> None:
     c = replay_case
-    item, K = c.item, c.k
-    replay = replay_actor(c.target, [0, 1, 2], None, K)
+    item = c.item
+    replay = replay_actor(c.target, [0, 1, 2], None, c.num_speculative_tokens)
     (t,) = replay.score([item])
     for j, (n, y, a) in enumerate(zip(item.anchor_pos, item.drafted, item.accepted)):
         kk = int(t.valid_len[j])
@@ -61,8 +61,10 @@ def test_topk_payload_is_the_full_teacher_top_k(replay_case) -> None:
     """payload=topk ships the top k of the same teacher distributions and is far smaller (the learner steps on
     it in test_learner_deepspeed.py; the estimator itself is checked against brute force in test_loss.py)."""
     c = replay_case
-    (full,) = replay_actor(c.target, [0, 1, 2], None, c.k).score([c.item])
-    (top,) = replay_actor(c.target, [0, 1, 2], None, c.k, payload="topk", topk=8).score([c.item])
+    (full,) = replay_actor(c.target, [0, 1, 2], None, c.num_speculative_tokens).score([c.item])
+    (top,) = replay_actor(c.target, [0, 1, 2], None, c.num_speculative_tokens, payload="topk", topk=8).score(
+        [c.item]
+    )
     assert full.teacher_logprobs is not None and top.teacher_logprobs is None
     assert top.teacher_topk_ids is not None and top.teacher_topk_logprobs is not None
     want_lp, want_ids = full.teacher_logprobs.topk(8, dim=-1)
@@ -109,8 +111,10 @@ def test_dflash_student_drafts_every_block_alone(replay_case, tmp_path) -> None:
     assert student.features == tuple(student.model.hidden_state_indices) and student.draft_ids is None
     with torch.no_grad():
         whole = student.block_hidden(t)
-        one = student.model(t.input_ids[None], t.features[None], t.anchor_pos[None, 2:3])[0, 0, 1 : c.k + 1]
-    assert whole.shape == (len(c.item.anchor_pos), c.k, student.model.config.hidden_size)
+        one = student.model(t.input_ids[None], t.features[None], t.anchor_pos[None, 2:3])[
+            0, 0, 1 : c.num_speculative_tokens + 1
+        ]
+    assert whole.shape == (len(c.item.anchor_pos), c.num_speculative_tokens, student.model.config.hidden_size)
     assert torch.allclose(whole[2], one, atol=1e-5)
 
 
@@ -123,7 +127,7 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
     from draft_opd_ray.drafts.standalone.model import load_standalone
 
     c = replay_case
-    item, K = c.item, c.k
+    item = c.item
     draft = c.draft(kind, tmp_path / kind, num_layers=2 if kind == "standalone" else 1)
     feats, _ = draft_kind(kind).replay_needs(str(draft), str(c.target))
     replay = c.replay(kind, draft, mode="redraft", draft_dir=str(draft))
@@ -136,14 +140,22 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
         lm = load_standalone(draft).eval() if kind == "standalone" else None
         for j, n in enumerate(item.anchor_pos):
             if lm is not None:
-                out = lm.generate(seq[None, : n + 1], max_new_tokens=K, do_sample=False, min_new_tokens=K)
+                out = lm.generate(
+                    seq[None, : n + 1],
+                    max_new_tokens=c.num_speculative_tokens,
+                    do_sample=False,
+                    min_new_tokens=c.num_speculative_tokens,
+                )
                 want = out[0, n + 1 :]
             else:
-                want = ref.propose(seq[None, : n + 1], f[:, : n + 1], torch.tensor([n + 1]), K)[0][0]
+                want = ref.propose(
+                    seq[None, : n + 1], f[:, : n + 1], torch.tensor([n + 1]), c.num_speculative_tokens
+                )[0][0]
             assert t.drafted[j].tolist() == want.tolist(), (kind, j)
-            stream = item.input_ids[n + 1 : n + 1 + K]
+            stream = item.input_ids[n + 1 : n + 1 + c.num_speculative_tokens]
             a = next(
-                (i for i, (x, y) in enumerate(zip(want.tolist(), stream)) if x != y), min(K, len(stream))
+                (i for i, (x, y) in enumerate(zip(want.tolist(), stream)) if x != y),
+                min(c.num_speculative_tokens, len(stream)),
             )
             assert int(t.accepted[j]) == a
     # a new version of the draft: different blocks from the next call on
@@ -158,15 +170,15 @@ def test_redraft_blocks_are_the_current_drafts_greedy_proposals(replay_case, tmp
 def test_replay_actor_rejects_unknown_settings(replay_case) -> None:
     c = replay_case
     with pytest.raises(ValueError, match="replay.mode"):
-        replay_actor(c.target, [], None, c.k, mode="fresh")
+        replay_actor(c.target, [], None, c.num_speculative_tokens, mode="fresh")
     with pytest.raises(
         ValueError, match=r"redraft and draft_topm > 0 need the draft folder \(ReplayRun.draft_dir\)"
     ):
-        replay_actor(c.target, [], None, c.k, mode="redraft")
+        replay_actor(c.target, [], None, c.num_speculative_tokens, mode="redraft")
     with pytest.raises(ValueError, match="redraft and draft_topm > 0 need the draft folder"):
-        replay_actor(c.target, [], None, c.k, payload="topk", topk=4, draft_topm=2)
+        replay_actor(c.target, [], None, c.num_speculative_tokens, payload="topk", topk=4, draft_topm=2)
     with pytest.raises(RuntimeError, match="holds no draft"):
-        replay_actor(c.target, [], None, c.k).load_draft_weights({}, 1)
+        replay_actor(c.target, [], None, c.num_speculative_tokens).load_draft_weights({}, 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
@@ -220,4 +232,6 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
                 for i in common:
                     torch.testing.assert_close(at[i], ref_at[i], atol=1e-2, rtol=5e-2)
             compared += 1
-    assert compared == sum(min(a + 1, c.k) for a in c.item.accepted)  # a block of K: at most K positions
+    assert compared == sum(
+        min(a + 1, c.num_speculative_tokens) for a in c.item.accepted
+    )  # a block of K: at most K positions

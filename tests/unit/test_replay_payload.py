@@ -24,20 +24,22 @@ from tests.helpers import replay_actor, synth
 def test_features_ship_in_the_targets_precision(replay_case: Any, dtype: str) -> None:
     """Before: features were cast to float32 whatever the target's dtype (twice the bytes in bfloat16)."""
     c = replay_case
-    replay = replay_actor(c.target, [0, 1, 2], None, c.k, dtype=dtype)
+    replay = replay_actor(c.target, [0, 1, 2], None, c.num_speculative_tokens, dtype=dtype)
     (t,) = replay.score([c.item])
     assert t.features.dtype == getattr(torch, dtype)
     assert t.features.shape[0] == len(c.item.input_ids)
     # the teacher's log-probs stay float32: computed in float32 from the logits, the small top-k payload
     for x in (t.teacher_logprobs, t.teacher_topk_logprobs):
         assert x is None or x.dtype == torch.float32
-    (f,) = replay_actor(c.target, [0, 1, 2], None, c.k, dtype=dtype, teacher=False).score([c.item])
+    (f,) = replay_actor(
+        c.target, [0, 1, 2], None, c.num_speculative_tokens, dtype=dtype, teacher=False
+    ).score([c.item])
     assert f.features.dtype == getattr(torch, dtype)
 
 
 def test_score_split_returns_summaries_then_the_items(replay_case: Any) -> None:
     c = replay_case
-    replay = replay_actor(c.target, [0, 1, 2], None, c.k)
+    replay = replay_actor(c.target, [0, 1, 2], None, c.num_speculative_tokens)
     out = replay.score_split([c.item, c.item])
     summaries, items = out[0], out[1:]
     assert len(items) == 2 and all(isinstance(t, TeacherItem) for t in items)
@@ -103,7 +105,7 @@ def test_the_loop_hands_the_learner_references_and_summaries_not_tensors(
     from draft_opd_ray.metrics import MetricsLogger
 
     monkeypatch.setattr(loop, "wait_for", lambda ref, what, timeout=None: ref)  # stand-ins return values
-    records = [synth(random.Random(i), k=4, steps=6) for i in range(3)]
+    records = [synth(random.Random(i), num_speculative_tokens=4, steps=6) for i in range(3)]
     for r in records:
         r.policy_version = [0] * r.num_steps
     item = _item(3, 20)

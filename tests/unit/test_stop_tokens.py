@@ -73,11 +73,18 @@ def test_reference_engine_stops_at_the_first_of_any_stop_id() -> None:
     stops = (late, early)
     assert target_generate(target, prompts, max_new_tokens=30, stop_token_ids=stops)[0] == free[:cut]
     recs = speculative_generate(
-        target, CausalLMDrafter(draft), prompts, k=3, max_new_tokens=30, stop_token_ids=stops
+        target,
+        CausalLMDrafter(draft),
+        prompts,
+        num_speculative_tokens=3,
+        max_new_tokens=30,
+        stop_token_ids=stops,
     )
     assert recs[0].response_ids == free[:cut] and recs[0].finish_reason == "stop"
     # no stop ids: only the length ends it
-    recs = speculative_generate(target, CausalLMDrafter(draft), prompts, k=3, max_new_tokens=30)
+    recs = speculative_generate(
+        target, CausalLMDrafter(draft), prompts, num_speculative_tokens=3, max_new_tokens=30
+    )
     assert recs[0].response_ids == free and recs[0].finish_reason == "length"
 
 

@@ -19,7 +19,10 @@ def _counted(rec: RequestRecord, steps: int, accepted: int) -> RequestRecord:
 
 def test_tau_stats_leave_out_failed_requests() -> None:
     rng = random.Random(0)
-    ok = [_counted(synth(rng, k=4, steps=5), 5, 9), _counted(synth(rng, k=4, steps=3), 3, 2)]
+    ok = [
+        _counted(synth(rng, num_speculative_tokens=4, steps=5), 5, 9),
+        _counted(synth(rng, num_speculative_tokens=4, steps=3), 3, 2),
+    ]
     failed = _counted(RequestRecord([1, 2], [], error="empty prompt", finish_reason="error"), 7, 0)
     failed.accepted = [0] * 7  # even steps of a failed request would not count
     stats = tau_stats([ok[0], failed, ok[1]])

@@ -14,15 +14,19 @@ from draft_opd_ray.drafts.drafter import FeatureDrafterBase
 
 
 class DFlashDrafter(FeatureDrafterBase):
-    """DFlash block drafter (`DFlashDraft`): one forward proposes k <= block_size - 1 tokens."""
+    """DFlash block drafter (`DFlashDraft`): one forward proposes K = ``num_speculative_tokens``
+    <= block_size - 1 tokens."""
 
     def __init__(self, target: nn.Module, draft: DFlashDraft) -> None:
         super().__init__(target, draft)
         self.block_size = draft.config.block_size
 
-    def _check_k(self, k: int) -> None:
-        if not 1 <= k <= self.block_size - 1:
-            raise ValueError(f"k must be in [1, block_size - 1 = {self.block_size - 1}], got {k}")
+    def _check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
+        if not 1 <= num_speculative_tokens <= self.block_size - 1:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, block_size - 1 = {self.block_size - 1}], "
+                f"got {num_speculative_tokens}"
+            )
 
 
 def dflash_drafter(target: Any, draft_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> Any:

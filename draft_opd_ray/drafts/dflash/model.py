@@ -206,18 +206,23 @@ class DFlashDraft(nn.Module):
         input_ids: torch.Tensor,
         features: torch.Tensor,
         lengths: torch.Tensor,
-        k: int | None = None,
+        num_speculative_tokens: int | None = None,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft k <= bs - 1 tokens after each verified prefix x_0..x_n (n = lengths - 1) in one forward, as
-        vLLM's DFlash proposer. input_ids (B, T) right-padded, features (B, T, F*H) (rows < n are read).
-        Returns drafted ids (B, k) and q (B, k, V) (one-hot under greedy; each offset sampled independently).
+        """Draft K = ``num_speculative_tokens`` <= bs - 1 tokens after each verified prefix x_0..x_n
+        (n = lengths - 1) in one forward, as vLLM's DFlash proposer. input_ids (B, T) right-padded, features
+        (B, T, F*H) (rows < n are read). Returns drafted ids (B, K) and q (B, K, V) (one-hot under greedy;
+        each offset sampled independently).
         """
-        k = self.config.block_size - 1 if k is None else k
+        num_speculative_tokens = (
+            self.config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
+        )
         valid = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]
-        h = self(input_ids, features, (lengths - 1)[:, None], attention_mask=valid)[:, 0, 1 : k + 1]
-        logits = self.logits(h).float()  # (B, k, V)
+        h = self(input_ids, features, (lengths - 1)[:, None], attention_mask=valid)[
+            :, 0, 1 : num_speculative_tokens + 1
+        ]
+        logits = self.logits(h).float()  # (B, K, V)
         if temperature == 0:
             ids = logits.argmax(-1)
             return ids, F.one_hot(ids, logits.shape[-1]).to(logits.dtype)

@@ -31,12 +31,18 @@ class DFlashStudent(DraftStudent):
         return h[:, 1 : K + 1]  # type: ignore[no-any-return]
 
     def greedy_blocks(
-        self, ids: torch.Tensor, feats: torch.Tensor | None, anchors: torch.Tensor, k: int
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor | None,
+        anchors: torch.Tensor,
+        num_speculative_tokens: int,
     ) -> torch.Tensor:
-        """(N, k): all offsets of every anchor's block in one parallel pass."""
+        """(N, K): all offsets of every anchor's block in one parallel pass."""
         assert feats is not None
         m = self.model
-        return m.logits(m(ids[None], feats[None], anchors[None])[0][:, 1 : k + 1]).argmax(-1)  # type: ignore[no-any-return]
+        return m.logits(
+            m(ids[None], feats[None], anchors[None])[0][:, 1 : num_speculative_tokens + 1]
+        ).argmax(-1)  # type: ignore[no-any-return]
 
     def flops(self, b: TeacherItem) -> float:
         from draft_opd_ray.flops import dflash_forward_flops

@@ -365,14 +365,15 @@ class Eagle3Draft(nn.Module):
         input_ids: torch.Tensor,
         features: torch.Tensor,
         lengths: torch.Tensor,
-        k: int,
+        num_speculative_tokens: int,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft k tokens after each verified prefix x_0..x_n (n = lengths - 1 >= 1), as vLLM's EAGLE-3 proposer.
+        """Draft K = ``num_speculative_tokens`` tokens after each verified prefix x_0..x_n
+        (n = lengths - 1 >= 1), as vLLM's EAGLE-3 proposer.
 
         input_ids (B, T) right-padded prefixes; features (B, T, A*Ht) target aux states (only rows < n are read).
-        Returns drafted target ids (B, k) and the draft's probabilities q (B, k, V) over the target
+        Returns drafted target ids (B, K) and the draft's probabilities q (B, K, V) over the target
         vocabulary (one-hot under greedy).
         """
         valid = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]
@@ -391,8 +392,10 @@ class Eagle3Draft(nn.Module):
             qs.append(q)
             return tok[:, None]
 
-        last = self._unroll(input_ids, features, (lengths - 1)[:, None], k, sample, valid)[-1]
-        sample(k, last)
+        last = self._unroll(
+            input_ids, features, (lengths - 1)[:, None], num_speculative_tokens, sample, valid
+        )[-1]
+        sample(num_speculative_tokens, last)
         return torch.stack(ids, dim=1), torch.stack(qs, dim=1)
 
 

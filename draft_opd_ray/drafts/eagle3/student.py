@@ -30,9 +30,13 @@ class Eagle3Student(DraftStudent):
         )[0]
 
     def greedy_blocks(
-        self, ids: torch.Tensor, feats: torch.Tensor | None, anchors: torch.Tensor, k: int
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor | None,
+        anchors: torch.Tensor,
+        num_speculative_tokens: int,
     ) -> torch.Tensor:
-        """(N, k) target ids the head drafts greedily from every anchor at once (its vLLM unroll)."""
+        """(N, K) target ids the head drafts greedily from every anchor at once (its vLLM unroll)."""
         assert feats is not None
         head, toks = self.model, []
 
@@ -42,8 +46,8 @@ class Eagle3Student(DraftStudent):
             return t
 
         valid = torch.ones(1, len(ids), dtype=torch.bool, device=ids.device)
-        last = head._unroll(ids[None], feats[None], anchors[None], k, feed, valid)[-1]
-        feed(k, last)
+        last = head._unroll(ids[None], feats[None], anchors[None], num_speculative_tokens, feed, valid)[-1]
+        feed(num_speculative_tokens, last)
         return torch.stack(toks, dim=-1)[0]
 
     def flops(self, b: TeacherItem) -> float:

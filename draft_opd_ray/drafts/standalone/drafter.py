@@ -13,15 +13,20 @@ from draft_opd_ray.drafts.standalone.model import load_standalone
 
 
 class CausalLMDrafter:
-    """A standalone draft LM with the target's tokenizer proposes k tokens autoregressively: one forward over
-    the left-padded prefixes fills a KV cache, then one single-token forward per further draft token."""
+    """A standalone draft LM with the target's tokenizer proposes ``num_speculative_tokens`` tokens
+    autoregressively: one forward over the left-padded prefixes fills a KV cache, then one single-token
+    forward per further draft token."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
     @torch.no_grad()
     def propose(
-        self, seqs: Sequence[list[int]], k: int, temperature: float, generator: torch.Generator | None
+        self,
+        seqs: Sequence[list[int]],
+        num_speculative_tokens: int,
+        temperature: float,
+        generator: torch.Generator | None,
     ) -> tuple[list[list[int]], torch.Tensor]:
         L = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -37,14 +42,14 @@ class CausalLMDrafter:
             logits_to_keep=1,
         )
         toks, qs = [], []
-        for j in range(k):
+        for j in range(num_speculative_tokens):
             q = sampling_probs(out.logits[:, -1].float(), temperature)  # (B, V)
             tok = (
                 q.argmax(-1) if temperature == 0 else torch.multinomial(q, 1, generator=generator).squeeze(-1)
             )
             toks.append(tok)
             qs.append(q)
-            if j == k - 1:
+            if j == num_speculative_tokens - 1:
                 break
             mask = torch.cat([mask, mask.new_ones((len(seqs), 1))], dim=1)
             out = self.model(
@@ -54,7 +59,7 @@ class CausalLMDrafter:
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-        return torch.stack(toks, dim=1).tolist(), torch.stack(qs, dim=1)  # (B, k, V)
+        return torch.stack(toks, dim=1).tolist(), torch.stack(qs, dim=1)  # (B, K, V)
 
 
 def standalone_drafter(

@@ -45,15 +45,19 @@ class StandaloneStudent(DraftStudent):
         return hidden
 
     def greedy_blocks(
-        self, ids: torch.Tensor, feats: torch.Tensor | None, anchors: torch.Tensor, k: int
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor | None,
+        anchors: torch.Tensor,
+        num_speculative_tokens: int,
     ) -> torch.Tensor:
-        """(N, k) greedy blocks from every anchor: k tree-masked forwards over the sequence plus each anchor's
+        """(N, K) greedy blocks from every anchor: K tree-masked forwards over the sequence plus each anchor's
         partial block (a branch at positions n+1.., seeing x_{<=n} and itself)."""
         seq, starts = ids.tolist(), anchors.tolist()
         T, N = len(seq), len(starts)
-        blocks = torch.zeros(N, k, dtype=torch.long)
+        blocks = torch.zeros(N, num_speculative_tokens, dtype=torch.long)
         dev = ids.device
-        for r in range(k):
+        for r in range(num_speculative_tokens):
             toks, pos, spans, last_rows = list(seq), list(range(T)), [], []
             for j, n in enumerate(starts):
                 spans.append((len(toks), r, n))

@@ -32,12 +32,16 @@ class ToyStudent(DraftStudent):
         return hidden
 
     def greedy_blocks(
-        self, ids: torch.Tensor, feats: torch.Tensor | None, anchors: torch.Tensor, k: int
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor | None,
+        anchors: torch.Tensor,
+        num_speculative_tokens: int,
     ) -> torch.Tensor:
-        blocks = torch.zeros(len(anchors), k, dtype=torch.long)
+        blocks = torch.zeros(len(anchors), num_speculative_tokens, dtype=torch.long)
         for j, n in enumerate(anchors.tolist()):
             ctx = ids[: n + 1].tolist()
-            for r in range(k):
+            for r in range(num_speculative_tokens):
                 blocks[j, r] = int((self._last_hidden(ctx) @ self.lm_head.T).argmax())
                 ctx.append(int(blocks[j, r]))
         return blocks
