@@ -2,9 +2,9 @@
 raw per-prompt counts: what `python -m draft_opd_ray.compare results/<study>` prints and writes as `compare.md`
 and `compare.json`.
 
-Per set (the primary endpoint's first): each arm's τ over seeds; every arm against the baseline arm and against
-the branch point, paired per prompt and seed, with the prompt-clustered CI, the seed-level t-interval and the
-naive pooled one (`draft_opd_ray.eval.stats`, whose docstring says why), each read in words; τ ratios (P1). The
+Per set (the primary endpoint's first): each arm's τ over seeds; every arm against the baseline arm, the
+primary endpoint's arm against each other control, every arm against the branch point, paired per prompt and
+seed, with the prompt-clustered CI, the seed-level t-interval and the naive pooled one (`draft_opd_ray.eval.stats`, whose docstring says why), each read in words; τ ratios (P1). The
 primary endpoint of `study.json` is marked, every other comparison is exploratory. `study_number` recomputes one
 published cell, for tests that pin a number in the docs to its committed file.
 """
@@ -68,8 +68,9 @@ def _endpoint(study: Study, set_name: str, arm: str, against: str) -> str:
 
 
 def _set_numbers(study: Study, set_name: str, drafts: list[DraftResult], baseline: str) -> dict[str, Any]:
-    """One set's arms, comparisons (each arm against the baseline arm, then against the branch point) and τ
-    ratios against the baseline arm (P1 where that is the primary endpoint)."""
+    """One set's arms, comparisons (each arm against the baseline arm, the primary endpoint's arm against each
+    other control, then every arm against the branch point) and τ ratios (P1 where that is the primary
+    endpoint)."""
     arms: dict[str, list[DraftResult]] = {}
     for r in drafts:
         arms.setdefault(r.arm, []).append(r)
@@ -82,6 +83,9 @@ def _set_numbers(study: Study, set_name: str, drafts: list[DraftResult], baselin
             "tokens": [r.tokens for r in members],
         }
     pairs = [(a, baseline) for a in arms if a not in (baseline, BRANCH) and baseline in arms]
+    if study.primary:  # the arm the study is about against each of its other controls
+        lead = study.primary.arm
+        pairs += [(lead, a) for a in arms if a not in (lead, baseline, BRANCH)]
     pairs += [(a, BRANCH) for a in arms if a != BRANCH and BRANCH in arms]
     if study.primary and study.primary.set == set_name and study.primary.baseline != baseline:
         pairs.insert(0, (study.primary.arm, study.primary.baseline))

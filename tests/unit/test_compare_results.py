@@ -279,3 +279,24 @@ def test_a_dir_that_is_neither_results_nor_runs(tmp_path: Path, capsys: pytest.C
     assert "study.json: does not parse" in _fails([str(root)], capsys)
     (root / "study.json").unlink()
     assert "no study.json" in _fails([str(root)], capsys)
+
+
+def test_the_primary_arm_meets_each_other_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third arm (a control beside the baseline) is compared with the primary endpoint's arm, exploratory."""
+    ctrl = [[(10, 6), (8, 5), (12, 8), (9, 5), (11, 4)], [(10, 7), (8, 4), (12, 7), (9, 5), (11, 3)]]
+    monkeypatch.setitem(VALIDATION, "ctrl", ctrl)
+    root = write_study(tmp_path / "results" / "toy")
+    run = subprocess.run(
+        [sys.executable, "-m", "draft_opd_ray.compare", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    paired = "| 5 prompts × 2 seeds (unpaired seeds: [2]) |"  # opd and sft have a seed 2, ctrl has not
+    for arm, against in (("opd", "ctrl"), ("ctrl", "sft")):
+        row = comparison_row(
+            f"{arm} − {against}", "exploratory", grid(VALIDATION[arm][:2], VALIDATION[against][:2])
+        )
+        assert row.replace("| 5 prompts × 2 seeds |", paired) in run.stdout
+    assert "| sft − ctrl |" not in run.stdout  # only the primary arm meets the other controls
