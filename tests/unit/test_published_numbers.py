@@ -32,6 +32,14 @@ QUOTED = [
     ("mtbench", "opd", (RESULTS_MD,)),
     ("mtbench", "sft", (RESULTS_MD,)),
     ("mtbench", "branch", (RESULTS_MD,)),
+    ("validation", "opd − sft_rollouts_soft", (RESULTS_MD, README)),  # the no-replay soft-label control
+    ("mtbench", "opd − sft_rollouts_soft", (RESULTS_MD, README)),
+    ("validation", "sft_rollouts_soft − sft", (RESULTS_MD,)),
+    ("mtbench", "sft_rollouts_soft − sft", (RESULTS_MD,)),
+    ("validation", "sft_rollouts_soft − branch", (RESULTS_MD,)),
+    ("mtbench", "sft_rollouts_soft − branch", (RESULTS_MD,)),
+    ("validation", "sft_rollouts_soft", (RESULTS_MD,)),
+    ("mtbench", "sft_rollouts_soft", (RESULTS_MD,)),
 ]
 
 
