@@ -142,11 +142,22 @@ def run_sft_stage(
         )
         traj = mix_trajectories(traj, rows, cache)
     draft = _train(cfg, target, traj, run_dir, cache, lambda m: log_sft_row(metrics, m), reservation)
-    tmp = warm.parent / ".draft.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(draft, tmp)
-    tmp.replace(warm)
+    cache_warm_start(Path(draft), warm)
     return Path(draft)
+
+
+def cache_warm_start(draft: Path, warm: Path) -> None:
+    """``draft`` copied to the cache's ``warm`` folder whole: copied beside it, then renamed into place; a warm start
+    already there (`sft.reuse=false` retrains it) is renamed aside first and removed after, as a folder cannot be
+    renamed over a full one."""
+    tmp, old = warm.parent / ".draft.tmp", warm.parent / ".draft.old"
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.copytree(draft, tmp)
+    if warm.exists():
+        warm.replace(old)
+    tmp.replace(warm)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _train(

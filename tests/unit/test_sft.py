@@ -371,3 +371,20 @@ def test_warm_start_key_names_what_changes_the_draft() -> None:
     ]
     assert all(_key(c, "t", [[5, 6]], (2,)) != base for c in others)
     assert _key(cfg, "t", [[5]], (2,)) != base and _key(cfg, "t", [[5, 6]], (2, 3)) != base
+
+
+def test_a_retrained_warm_start_replaces_the_cached_one_whole(tmp_path: Path) -> None:
+    """`sft.reuse=false` retrains a warm start the cache already holds: the new folder takes its place whole (a
+    folder cannot be renamed over a full one), and no temporary folder is left beside it."""
+    from draft_opd_ray.sft.stage import cache_warm_start
+
+    warm = tmp_path / "warm_starts" / "key" / "draft"
+    for version in ("first", "second"):
+        trained = tmp_path / version
+        trained.mkdir()
+        (trained / "config.json").write_text(version)
+        (trained / f"{version}.safetensors").write_text(version)
+        cache_warm_start(trained, warm)
+        assert (warm / "config.json").read_text() == version
+    assert sorted(p.name for p in warm.iterdir()) == ["config.json", "second.safetensors"]
+    assert sorted(p.name for p in warm.parent.iterdir()) == ["draft"]
