@@ -176,10 +176,14 @@ def _primary_lines(result: dict[str, Any]) -> list[str]:
     if c is None or "mean" not in c:
         return [f"{head}: not measured (no paired {p['arm']} and {p['baseline']} drafts on {p['set']}).", ""]
     sl = c["seed_level"]
+    over_seeds = (
+        f"over seeds {sl['mean']:+.3f} {interval(sl, '+.3f')}, {in_words(sl)}"
+        if np.isfinite(sl["lo"]) and np.isfinite(sl["hi"])
+        else "one seed, so no interval over seeds"
+    )
     return [
         f"{head}, seeds averaged within each prompt, prompts resampled: **{comparison_cell(c)}** "
-        f"({_grid_size(c['prompts'], c['seed_ids'])}), {in_words(c)}; over seeds {sl['mean']:+.3f} "
-        f"{interval(sl, '+.3f')}, {in_words(sl)}."
+        f"({_grid_size(c['prompts'], c['seed_ids'])}), {in_words(c)}; {over_seeds}."
         + (f" P1 = τ({p['arm']}) / τ({p['baseline']}) = {ratio_cell(r)}, {in_words(r, 1.0)}." if r else ""),
         "Every other comparison is exploratory.",
         "",

@@ -187,6 +187,8 @@ def test_printed_tables_equal_a_plain_computation(tmp_path: Path) -> None:
     # the primary endpoint is stated once above the tables; every other comparison is exploratory
     cell = primary.split(" | ")[3]
     assert "opd − sft per prompt on validation" in out and f"**{cell}** (5 prompts × 3 seeds)" in out
+    over_seeds, over_words = primary.split(" | ")[6:8]  # the seed-level t-interval, beside it in the headline
+    assert f"{over_seeds}, {over_words}." in out.split("\n")[2]
     assert out.count("| **primary** |") == 2 and out.count("| exploratory |") == 6  # 5 comparisons + 1 ratio
     assert out.index("## validation") < out.index("## mtbench")  # the primary endpoint's set first
     assert "| branch | 5 prompts × 1 draft (no seed) |" in out
@@ -300,3 +302,19 @@ def test_the_primary_arm_meets_each_other_control(tmp_path: Path, monkeypatch: p
         )
         assert row.replace("| 5 prompts × 2 seeds |", paired) in run.stdout
     assert "| sft − ctrl |" not in run.stdout  # only the primary arm meets the other controls
+
+
+def test_one_seed_says_it_has_no_interval_over_seeds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one seed a side, the headline says there is no seed-level interval instead of printing a bare mean."""
+    for arm in ("opd", "sft"):
+        monkeypatch.setitem(VALIDATION, arm, VALIDATION[arm][:1])
+    root = write_study(tmp_path / "results" / "toy")
+    run = subprocess.run(
+        [sys.executable, "-m", "draft_opd_ray.compare", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    headline = run.stdout.split("\n")[2]
+    assert "(5 prompts × 1 seed)" in headline and "; one seed, so no interval over seeds." in headline
