@@ -9,6 +9,7 @@
 #
 #   SEEDS="0 1 2" bash bench/controls_study.sh                 # everything, ~2 h a seed on 2 cores
 #   SEEDS=1 ARMS="opd sft" bash bench/controls_study.sh        # a session's piece
+#   INTO=docs/results.md SEEDS=2 bash bench/controls_study.sh  # ... and rewrite the doc's summary block at the end
 set -euo pipefail
 NAME=${NAME:-default_controls}
 SEEDS=${SEEDS:-0 1 2}
@@ -26,4 +27,4 @@ for seed in $SEEDS; do
       --question "Does Draft-OPD with the defaults beat its no-replay controls at matched training FLOPs?"
   done
 done
-python -m draft_opd_ray.compare "$RESULTS"
+python -m draft_opd_ray.compare "$RESULTS" ${INTO:+--into "$INTO"}  # INTO=docs/results.md rewrites its summary block

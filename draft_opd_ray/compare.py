@@ -1,5 +1,5 @@
 """Compare drafts: `python -m draft_opd_ray.compare RESULTS_DIR | RUN_DIR... [--baseline ARM] [--out DIR]
-[--dataset NAME]`.
+[--dataset NAME] [--into DOC]`.
 
 A results dir (`results/<study>/`, with `study.json`; the format is in `results/README.md` and
 `draft_opd_ray.eval.results`) holds the raw per-prompt counts of every draft on every prompt set. Per set: each
@@ -8,7 +8,9 @@ the branch point and against the baseline arm, paired per prompt and seed, with 
 seed-level t-interval beside it and in words whether each excludes zero; τ ratios (P1) with CIs. The primary
 endpoint named in `study.json` is marked, every other comparison is exploratory. Prints the tables and writes
 `compare.md` and `compare.json` to ``--out`` (default: the results dir itself, where they are committed beside
-the raw files). The statistics are `draft_opd_ray.eval.stats`'s (its docstring says why these intervals).
+the raw files), ending with a summary of every set side by side between markers: ``--into docs/results.md``
+rewrites that block in the document, which a test holds to the files. The statistics are
+`draft_opd_ray.eval.stats`'s (its docstring says why these intervals).
 
 A run dir holds `eval/report.json` (plus Hydra's `.hydra/{config,overrides}.yaml` and `metrics.jsonl`); a Hydra
 multirun dir expands to the run dirs directly inside it. Runs are grouped into arms by their Hydra overrides
@@ -37,7 +39,7 @@ import numpy as np
 import yaml
 
 from draft_opd_ray.checkpoint import write_text_atomic
-from draft_opd_ray.compare_results import interval, run_study
+from draft_opd_ray.compare_results import interval, run_study, write_summary_into
 from draft_opd_ray.errors import DataError
 from draft_opd_ray.eval.results import STUDY, is_study_dir
 from draft_opd_ray.eval.stats import mean_ci, paired_over_seeds
@@ -389,10 +391,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--dataset", default=None, metavar="NAME", help="eval set (default: all, or the first)"
     )
+    parser.add_argument(
+        "--into",
+        default=None,
+        metavar="DOC",
+        help="results dir only: also rewrite the study's summary block in this markdown file (docs/results.md)",
+    )
     args = parser.parse_args(argv)
     try:
         if len(args.runs) == 1 and is_study_dir(Path(args.runs[0])):
-            run_study(args.runs[0], out=args.out, baseline=args.baseline, dataset=args.dataset)
+            result = run_study(args.runs[0], out=args.out, baseline=args.baseline, dataset=args.dataset)
+            if args.into:
+                write_summary_into(args.into, result)
+                print(
+                    f"[compare] wrote the summary of {result['study']['name']} into {args.into}",
+                    file=sys.stderr,
+                )
+        elif args.into:
+            raise DataError("--into rewrites a study's summary: give one results dir (with study.json)")
         else:
             out = args.out or "compare_out"
             run_compare(args.runs, out=out, dataset=args.dataset, baseline=args.baseline)

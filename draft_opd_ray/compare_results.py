@@ -243,6 +243,86 @@ def _set_table(name: str, s: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+SET_TITLES = {"mtbench": "MT-Bench"}
+SUMMARY_BEGIN = "<!-- compare summary: {name} (generated: python -m draft_opd_ray.compare results/{name}) -->"
+SUMMARY_END = "<!-- end of compare summary -->"
+
+
+def _set_title(name: str) -> str:
+    return SET_TITLES.get(name, name)
+
+
+def _over_seeds(sl: dict[str, Any], fmt: str) -> str:
+    return (
+        f"{interval(sl, fmt)}, {in_words(sl)}"
+        if np.isfinite(sl["lo"]) and np.isfinite(sl["hi"])
+        else "one seed"
+    )
+
+
+def render_summary(result: dict[str, Any]) -> str:
+    """Every set side by side in two tables, the form `docs/results.md` quotes: each arm's τ (per seed, the mean
+    over seeds with its prompt-clustered CI, training FLOPs), then each comparison's per-prompt Δτ with its
+    prompt-clustered CI and seed-level t-interval, each read in words. Between markers, so a document can hold
+    the block verbatim (`--into`) and a test can check it is the files' numbers."""
+    sets = result["sets"]
+    names = list(sets)
+    arms: list[str] = list(dict.fromkeys(a for s in sets.values() for a in s["arms"]))
+    head = " | ".join(f"{_set_title(n)} τ per seed | {_set_title(n)} τ [95% CI]" for n in names)
+    lines = [
+        SUMMARY_BEGIN.format(name=result["study"]["name"]),
+        "",
+        f"| arm | train FLOPs | {head} |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
+    for arm in arms:
+        cells = []
+        for n in names:
+            a = sets[n]["arms"].get(arm)
+            if a is None:
+                cells += ["-", "-"]
+                continue
+            seeds = ", ".join(
+                f"{'' if i is None else f's{i} '}{t:.3f}" for i, t in zip(a["seed_ids"], a["per_seed"])
+            )
+            cells += [seeds, f"{a['tau']:.3f} {interval(a, '.3f')}"]
+        flops = _flops([f for s in sets.values() for f in s["arms"].get(arm, {}).get("flops", [])])
+        lines.append(f"| {arm} | {flops} | {' | '.join(cells)} |")
+    head = " | ".join(
+        f"{_set_title(n)}: prompts × seeds | {_set_title(n)}: Δτ per prompt [95% CI, prompts clustered] | "
+        f"{_set_title(n)}: over seeds [95% t-CI]"
+        for n in names
+    )
+    lines += ["", f"| comparison | {head} |", "|---|" + "---|---|---|" * len(names)]
+    order = list(dict.fromkeys(c["name"] for s in sets.values() for c in s["comparisons"]))
+    for name in order:
+        cells, primary = [], ""
+        for n in names:
+            c = next((c for c in sets[n]["comparisons"] if c["name"] == name), None)
+            if c is None or "mean" not in c:
+                cells += ["-", "-", "-"]
+                continue
+            primary = primary or (f" (**primary**, {_set_title(n)})" if c["endpoint"] == "primary" else "")
+            cells += [
+                f"{c['prompts']} × {len(c['seed_ids'])}",
+                f"{comparison_cell(c)}, {in_words(c)}",
+                _over_seeds(c["seed_level"], "+.3f"),
+            ]
+        lines.append(f"| {name}{primary} | {' | '.join(cells)} |")
+    return "\n".join([*lines, "", SUMMARY_END]) + "\n"
+
+
+def write_summary_into(doc: str | Path, result: dict[str, Any]) -> None:
+    """Replace the study's summary block in ``doc`` (between its markers) with the recomputed one."""
+    path = Path(doc)
+    text = path.read_text()
+    begin = SUMMARY_BEGIN.format(name=result["study"]["name"])
+    start, end = text.find(begin), text.find(SUMMARY_END, text.find(begin))
+    if start < 0 or end < 0:
+        raise DataError(f"{path}: no block from {begin!r} to {SUMMARY_END!r} to write the summary into")
+    write_text_atomic(path, text[:start] + render_summary(result) + text[end + len(SUMMARY_END) + 1 :])
+
+
 def render_study(result: dict[str, Any]) -> str:
     st = result["study"]
     lines = [f"# {st['name']}: {st['question']}", "", *_primary_lines(result), LEGEND, ""]
@@ -252,6 +332,8 @@ def render_study(result: dict[str, Any]) -> str:
         lines += _set_table(name, s)
     if not result["sets"]:
         lines.append("No results yet (no `<set>/<label>.json` file).")
+    else:
+        lines += ["## Summary (every set side by side)", "", render_summary(result)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -318,3 +318,39 @@ def test_one_seed_says_it_has_no_interval_over_seeds(tmp_path: Path, monkeypatch
     assert run.returncode == 0, run.stderr
     headline = run.stdout.split("\n")[2]
     assert "(5 prompts × 1 seed)" in headline and "; one seed, so no interval over seeds." in headline
+
+
+def test_the_summary_block_is_the_tables_side_by_side_and_rewrites_a_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary's cells are the per-set tables' cells (both sets in one row), and `--into` rewrites only the
+    study's block in a document; a document without the block is one error line."""
+    root = write_study(tmp_path / "toy")
+    doc = tmp_path / "results.md"
+    begin = "<!-- compare summary: toy (generated: python -m draft_opd_ray.compare results/toy) -->"
+    doc.write_text(f"# before\n\n{begin}\nstale numbers\n<!-- end of compare summary -->\n\n## after\n")
+    main([str(root), "--into", str(doc)])
+    out = capsys.readouterr().out
+    text = doc.read_text()
+    assert text.startswith("# before\n\n" + begin) and text.endswith(
+        "<!-- end of compare summary -->\n\n## after\n"
+    )
+    block = text[text.index(begin) :]
+    assert "stale numbers" not in block and block[: block.index("\n\n## after")] + "\n" in out  # as printed
+    v, m = VALIDATION, MTBENCH
+    for name, a, b in (("opd − sft", "opd", "sft"), ("opd − branch", "opd", "branch")):
+        cells = [comparison_row(name, "x", grid(v[a], v[b])).split(" | "), None]
+        cells[1] = comparison_row(name, "x", grid(m[a], m[b])).split(" | ")
+        # per set: prompts × seeds, the prompt-clustered cell with its words, the seed-level interval with its words
+        want = []
+        for c in cells:
+            prompts, seeds = c[2].split(" prompts × ")
+            want += [f"{prompts} × {seeds.split(' ')[0]}", f"{c[3]}, {c[4]}", f"{c[6]}, {c[7]}"]
+        label = f"{name} (**primary**, validation)" if name == "opd − sft" else name
+        assert f"| {label} | {' | '.join(want)} |" in block
+    sft = [arm_row("sft", v["sft"]).split(" | "), arm_row("sft", m["sft"]).split(" | ")]
+    assert f"| sft | 2.5e+14 | {sft[0][2]} | {sft[0][3]} | {sft[1][2]} | {sft[1][3]} |" in block
+
+    doc.write_text("# no block here\n")
+    assert "no block from" in _fails([str(root), "--into", str(doc)], capsys)
+    assert doc.read_text() == "# no block here\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from draft_opd_ray.compare_results import study_number
+from draft_opd_ray.compare_results import compare_study, render_summary, study_number
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO / "results" / "default_controls"
@@ -60,3 +60,12 @@ def test_the_regime_and_p7_quoted_are_the_files():
     p7 = json.loads((REPO / "results" / "bench" / "P7.json").read_text())
     quoted = " / ".join(f"{p7['value'][c]:.2f}x" for c in ("1", "4", "16"))
     assert quoted in README
+
+
+def test_the_summary_block_in_results_md_is_the_files():
+    """docs/results.md holds the study's summary tables verbatim as compare renders them from the raw files."""
+    block = render_summary(compare_study(STUDY))
+    assert block in RESULTS_MD, (
+        "docs/results.md's summary block is not the files' numbers: run "
+        "`python -m draft_opd_ray.compare results/default_controls --into docs/results.md`"
+    )
