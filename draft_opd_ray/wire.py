@@ -124,6 +124,9 @@ class TeacherItem:
     # the draft's own top-m ids at every block position (`loss.draft_topm`) and the teacher's log-probs there
     draft_topm_ids: torch.Tensor | None = None  # (N, K, m) draft-vocabulary ids
     teacher_logprobs_at_draft: torch.Tensor | None = None  # (N, K, m)
+    # log of the teacher's mass outside that support (top-k ids and draft_topm_ids), summed in log space over the
+    # full draft-vocabulary teacher: exact where 1 - sum(p over the support) cancels to 0 in float32
+    teacher_log_tail: torch.Tensor | None = None  # (N, K)
     replay_draft_flops: float = 0.0  # the replay's draft forward that found draft_topm_ids (training compute)
 
     def to(self, device: torch.device | str) -> TeacherItem:
@@ -180,6 +183,7 @@ def payload_bytes(t: TeacherItem) -> int:
         t.teacher_topk_logprobs,
         t.draft_topm_ids,
         t.teacher_logprobs_at_draft,
+        t.teacher_log_tail,
     ]
     return sum(x.numel() * x.element_size() for x in parts if x is not None)
 

@@ -252,14 +252,31 @@ def full_kl(
     return num, fkl, rkl
 
 
+def teacher_log_tail(logprobs: torch.Tensor, *supports: torch.Tensor | None) -> torch.Tensor:
+    """log of the mass of ``logprobs`` (..., V) outside the union of ``supports`` (..., s_i ids), summed in log
+    space over the ids outside it: exact where ``1 - sum(p over the support)`` cancels to 0 (a confident teacher
+    in float32 leaves a tail below ~1e-7, which that subtraction turns into log 0). -inf where the support covers
+    every id."""
+    outside = torch.ones_like(logprobs, dtype=torch.bool)
+    for ids in supports:
+        if ids is not None:
+            outside.scatter_(-1, ids.to(logprobs.device), False)
+    return logprobs.masked_fill(~outside, -math.inf).logsumexp(-1)
+
+
 def topk_kl(
     student_logits: torch.Tensor,  # (T, V)
     teacher_ids: torch.Tensor,  # (T, k) teacher top-k ids
     teacher_logprobs: torch.Tensor,  # (T, k)
     draft_ids: torch.Tensor | None = None,  # (T, m) the draft's own top-m ids
     teacher_logprobs_at_draft: torch.Tensor | None = None,  # (T, m) teacher log-probs at draft_ids
+    teacher_log_tail: torch.Tensor | None = None,  # (T,) log teacher mass outside S (`teacher_log_tail`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and reverse KL over S + {tail}, each (T,), differentiable in the student logits."""
+    """Forward and reverse KL over S + {tail}, each (T,), differentiable in the student logits.
+
+    The teacher's tail is ``teacher_log_tail`` where given (the replay ships it, computed over the full teacher),
+    else ``1 - sum(p over S)``, which is exact only while the tail is well above float32's rounding of the
+    support's log-probs."""
     dt = _acc_dtype(student_logits)
     z = student_logits.to(dt)
     lse = z.logsumexp(-1, keepdim=True)  # (T, 1)
@@ -274,8 +291,12 @@ def topk_kl(
     keep = ~((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)  # (T, S) first occurrence of each id
     lq = z.gather(-1, ids) - lse  # (T, S)
     p, q = lp.exp() * keep, lq.exp() * keep
-    p_tail = (1 - p.sum(-1)).clamp(min=0)  # (T,)
-    log_p_tail = p_tail.clamp(min=torch.finfo(dt).tiny).log()
+    if teacher_log_tail is not None:
+        log_p_tail = teacher_log_tail.detach().to(dt).clamp(min=_log_tiny(dt))  # (T,)
+        p_tail = log_p_tail.exp()
+    else:
+        p_tail = (1 - p.sum(-1)).clamp(min=0)  # (T,)
+        log_p_tail = p_tail.clamp(min=torch.finfo(dt).tiny).log()
     # the student's tail in log space (exact, no 1 - sum cancellation); finfo.min keeps a fully covered row finite
     in_s = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, ids, True)
     log_q_tail = (z.masked_fill(in_s, torch.finfo(dt).min).logsumexp(-1) - lse[:, 0]).clamp(min=_log_tiny(dt))
@@ -337,6 +358,7 @@ class TopkInputs:
     teacher_logprobs: torch.Tensor  # (T, k)
     draft_ids: torch.Tensor | None = None  # (T, m) long
     teacher_logprobs_at_draft: torch.Tensor | None = None  # (T, m)
+    teacher_log_tail: torch.Tensor | None = None  # (T,)
 
 
 @dataclass
@@ -404,6 +426,7 @@ def objective_terms(
                 inputs.teacher_logprobs,
                 inputs.draft_ids,
                 inputs.teacher_logprobs_at_draft,
+                inputs.teacher_log_tail,
             )
         else:
             fkl, rkl, cl_f, cl_r = token_kl(

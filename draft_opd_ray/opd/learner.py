@@ -217,6 +217,7 @@ class Learner:
                 b.teacher_topk_logprobs[mask],
                 own[0][mask] if own[0] is not None else None,
                 own[1][mask] if own[1] is not None else None,
+                b.teacher_log_tail[mask] if b.teacher_log_tail is not None else None,
             )
         if b.teacher_logprobs is None:
             raise ValueError(f"loss.estimator={est} needs the replay's full payload (teacher.topk=null)")
@@ -225,9 +226,11 @@ class Learner:
             return FullInputs(rows, lm_head, teacher)
         drafted = self._student_ids(b.drafted)[mask]
         committed = self._student_ids(committed_blocks(b))[mask]
-        committed = torch.where(
-            committed >= 0, committed, drafted
-        )  # past the stream, or outside the vocabulary
+        # past the stream (k > a+1: reverse KL only, the forward term has weight 0 there) or outside a reduced
+        # draft vocabulary: the drafted id stands in. At the correction position a+1 the latter makes the Bernoulli
+        # forward KL act on the rejected drafted token instead of the committed one (`token` estimator only; the
+        # default `topk` has no such case)
+        committed = torch.where(committed >= 0, committed, drafted)
         return TokenInputs(
             rows @ lm_head.T,
             committed,

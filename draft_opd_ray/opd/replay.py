@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from draft_opd_ray.algo.loss import teacher_log_tail
 from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.sync.refit import RefitAck
@@ -251,6 +252,7 @@ class ReplayActor:
                 item.teacher_logprobs_at_draft = teacher.gather(-1, item.draft_topm_ids)
                 assert self.student is not None  # one forward: a third of the student's forward + backward
                 item.replay_draft_flops = self.student.flops(item) / 3
+            item.teacher_log_tail = teacher_log_tail(teacher, item.teacher_topk_ids, item.draft_topm_ids)
             item.teacher_logprobs = None
         return item
 

@@ -18,6 +18,7 @@ from draft_opd_ray.algo.loss import (
     objective_terms,
     position_sets,
     sft_terms,
+    teacher_log_tail,
     token_kl,
     topk_kl,
 )
@@ -241,6 +242,52 @@ def test_topk_matches_coarse_grained_brute_force() -> None:
         assert 0 <= f <= exact_kls(student[t], lp_full[t])[0].item() + 1e-12  # a lower bound of the full KL
     (fkl.sum() + rkl.sum()).backward()
     assert s.grad is not None and bool(torch.isfinite(s.grad).all())
+
+
+def test_topk_tail_of_a_confident_float32_teacher_is_exact() -> None:
+    """A teacher whose mass outside S is ~1e-8 in float32: ``1 - sum(p over S)`` cancels to 0 there, so the tail's
+    log would be log(tiny) = -87 and the reverse KL's tail term q_tail * (log q_tail + 87) would dwarf the true KL.
+    With the tail the replay ships (`teacher_log_tail`, summed in log space), the estimator is the coarse-grained
+    KL computed in float64 (a lower bound of the full KL, both directions), and so is its gradient."""
+    V, k, m = 2000, 16, 16
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(1, V, generator=g)
+    zt = base.clone()
+    zt[0, 7] = 25.0  # the teacher: one token, tail mass ~1e-8
+    zs = base * 1.5
+    zs[0, 7] = 12.0  # the student agrees on the top token, with ~3% of its mass elsewhere
+    lp_full = torch.log_softmax(zt, -1)  # float32, as the replay ships it
+    t_lp, t_ids = lp_full.topk(k, -1)
+    d_ids = zs.topk(m, -1).indices
+    tail = teacher_log_tail(lp_full, t_ids, d_ids)
+    s = zs.clone().requires_grad_()
+    fkl, rkl = topk_kl(s, t_ids, t_lp, d_ids, lp_full.gather(-1, d_ids), tail)
+    (grad,) = torch.autograd.grad(rkl.sum(), s)
+
+    # float64 brute force: the KLs of the distributions coarse-grained to S + {tail}
+    P, Q = torch.log_softmax(zt.double(), -1)[0].exp(), torch.softmax(zs.double(), -1)[0]
+    in_s = torch.zeros(V, dtype=torch.bool)
+    in_s[t_ids[0]] = True
+    in_s[d_ids[0]] = True
+    p_c, q_c = torch.cat([P[in_s], P[~in_s].sum()[None]]), torch.cat([Q[in_s], Q[~in_s].sum()[None]])
+    f_want, r_want = (p_c * (p_c / q_c).log()).sum().item(), (q_c * (q_c / p_c).log()).sum().item()
+    assert tail.item() == pytest.approx(math.log(P[~in_s].sum().item()), rel=1e-5)
+    assert rkl.item() == pytest.approx(r_want, rel=1e-4) and fkl.item() == pytest.approx(
+        f_want, rel=1e-3, abs=1e-9
+    )
+    f_full, r_full = exact_kls(zs.double(), zt.double())
+    assert rkl.item() <= r_full.item() * (1 + 1e-4) and fkl.item() <= f_full.item() * (
+        1 + 1e-4
+    )  # lower bounds (float32)
+    zq = zs.double().clone().requires_grad_()
+    q_log = torch.log_softmax(zq, -1)[0]
+    qc_log = torch.cat([q_log[in_s], q_log[~in_s].logsumexp(-1)[None]])
+    (want,) = torch.autograd.grad((qc_log.exp() * (qc_log - p_c.log())).sum(), zq)
+    torch.testing.assert_close(grad.double(), want, rtol=1e-3, atol=1e-6)
+
+    # the fallback (no shipped tail) is what the replay shipped before: 1 - sum cancels and inflates the RKL
+    _, r_cancelled = topk_kl(zs, t_ids, t_lp, d_ids, lp_full.gather(-1, d_ids))
+    assert r_cancelled.item() > 2 * r_full.item()
 
 
 def test_token_estimators_match_direct_formulas() -> None:

@@ -181,6 +181,14 @@ def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(rep
     torch.testing.assert_close(t.teacher_logprobs_at_draft[valid], at[valid])
     assert t.teacher_logprobs is None and t.replay_draft_flops > 0
     assert TeacherSummary.of(t).draft_flops == t.replay_draft_flops
+    # the teacher's mass outside the support (its top-k and the draft's top-m), in float64 from the full payload
+    assert t.teacher_log_tail is not None and t.teacher_log_tail.shape == (N, K)
+    assert t.teacher_topk_ids is not None
+    p64 = full.teacher_logprobs.double().exp()
+    in_s = torch.zeros_like(p64, dtype=torch.bool)
+    in_s.scatter_(-1, t.teacher_topk_ids, True).scatter_(-1, t.draft_topm_ids, True)
+    want = p64.masked_fill(in_s, 0).sum(-1).log()
+    torch.testing.assert_close(t.teacher_log_tail[valid].double(), want[valid], rtol=1e-5, atol=1e-5)
     # without it (and for the controls, which train on committed tokens) nothing more ships and no draft is held
     plain = c.replay("eagle3", c.eagle3, payload="topk", topk=4)
     (p,) = plain.score([c.item])
