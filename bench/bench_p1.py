@@ -10,8 +10,9 @@
    (`flops_target`). The rollouts' verification forwards are reported beside (`flops_rollout`), not counted,
    as SFT's trajectory generation is not either.
 2. SFT continued: `python -m draft_opd_ray.main stages=[sft] sft.study.start_from=<warm start> sft.study.max_flops=F` on the SFT
-   trajectories (ShareGPT train prompts, target's greedy answers), same TTT loss as the warm start; every batch
-   is charged the target forward of its features (as if computed on the fly), so both arms pay for the target.
+   trajectories (ShareGPT train prompts, target's greedy answers), same TTT loss as the warm start; each answer's
+   target forward is charged once, where first used (`sft.trainer.target_charge`), so both arms pay for the
+   target.
 3. τ of the warm start, the SFT arm and the OPD arm through vLLM at K on the same held-out MT-Bench prompts
    (greedy, one engine, weights swapped in): P1 = τ(OPD) / τ(SFT), vLLM's counters.
 Writes <run-dir>/p1.json and prints one line for docs/benchmarks.md.

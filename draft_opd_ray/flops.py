@@ -92,6 +92,14 @@ def target_forward_flops(t: TargetInfo, batch: int, seq_len: int, *, lm_head: bo
     return float(rows * per_row)
 
 
+def feature_pass_flops(t: TargetInfo, batch: int, seq_len: int, head_rows: int) -> float:
+    """SFT's target forward over a (batch, seq_len) batch as `draft_opd_ray.sft.features` runs it: the decoder over
+    every row, the LM head only on the ``head_rows`` rows whose soft labels the loss reads."""
+    return target_forward_flops(t, batch, seq_len, lm_head=False) + float(
+        2 * t.hidden_size * t.vocab_size * head_rows
+    )
+
+
 def dflash_forward_flops(c: Any, seq_len: int, anchors: int, predicted: int) -> float:
     """One forward of a DFlash drafter (``DFlashConfig``) over a sequence with ``anchors`` blocks: the context
     projection over every row, each layer's block queries against context + block keys, the LM head on

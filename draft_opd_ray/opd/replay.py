@@ -250,8 +250,8 @@ class ReplayActor:
             if self.draft_topm > 0:
                 item.draft_topm_ids = self._draft_topm(item)
                 item.teacher_logprobs_at_draft = teacher.gather(-1, item.draft_topm_ids)
-                assert self.student is not None  # one forward: a third of the student's forward + backward
-                item.replay_draft_flops = self.student.flops(item) / 3
+                assert self.student is not None  # one forward of the student (no backward)
+                item.replay_draft_flops = self.student.flops(item, backward=False)
             item.teacher_log_tail = teacher_log_tail(teacher, item.teacher_topk_ids, item.draft_topm_ids)
             item.teacher_logprobs = None
         return item

@@ -41,7 +41,7 @@ from draft_opd_ray.device import actor_device, resolve_dtype
 from draft_opd_ray.distributed import all_reduce_sum, balanced_shards, init_process_group, world
 from draft_opd_ray.drafts.recipe import Recipe, RecipeInputs, Reduce
 from draft_opd_ray.drafts.registry import draft_kind
-from draft_opd_ray.flops import target_forward_flops
+from draft_opd_ray.flops import feature_pass_flops, target_forward_flops
 from draft_opd_ray.metrics import json_line
 from draft_opd_ray.models.target import TargetInfo, read_target_info
 from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
@@ -260,7 +260,10 @@ class Loop:
     state: TrainState
     info: TargetInfo
     dtype: torch.dtype  # the engine's precision, the features' too
-    charge_target: bool  # charge a target forward to every batch (features on the fly, or a continued draft)
+    # which batches are charged a target forward (`target_charge`): "none" (cached features, charged up front),
+    # "first_epoch" (a continued draft on cached features: each answer's forward once, where first used) or
+    # "every_batch" (features on the fly: the target runs again every epoch)
+    charge_target: str
     root: Path  # checkpoints/sft
     target: Path
     emit: MetricsCallback
@@ -444,7 +447,7 @@ def run_sft(
         state,
         info,
         dtype=_DTYPES[resolve_dtype(job.learner.dtype)],
-        charge_target=not cached,
+        charge_target=target_charge(job.feature_mode, budget.start_from is not None),
         root=root,
         target=target,
         emit=emit,
@@ -488,6 +491,17 @@ def _start_state(
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
+
+
+def target_charge(feature_mode: str, continued: bool) -> str:
+    """Which batches pay a target forward, so that every target forward an arm needs is charged once, as the
+    Draft-OPD arm's replay and the no-replay controls (one forward a rollout, reused over their passes) are:
+    cached features of a fresh run are charged up front ("none" per batch); a continued draft
+    (``sft.study.start_from``) reading cached features pays each answer's forward where first used
+    ("first_epoch"); features on the fly run the target again every epoch ("every_batch")."""
+    if feature_mode == "on_the_fly":
+        return "every_batch"
+    return "first_epoch" if continued else "none"
 
 
 def _step_row(
@@ -609,8 +623,8 @@ def _epoch(
         state.train_s += dt
         state.tokens += ntok
         state.flops_draft += loop.recipe.flops(batch)
-        if loop.charge_target:
-            state.flops_target += target_forward_flops(loop.info, B, T)
+        if loop.charge_target == "every_batch" or (loop.charge_target == "first_epoch" and state.epoch == 0):
+            state.flops_target += feature_pass_flops(loop.info, B, T, ntok)
         state.budget_s_used = loop.used_s()
         loop.emit(_step_row(state, loss, m, lr, ntok, B * T, dt))
         bar.update(progress_measure(state, budget, total_steps, loop.flops0)[1] - bar.n)

@@ -78,3 +78,40 @@ def test_other_kinds_train_through_the_same_loop(
         assert lm.config.num_hidden_layers == 2
     else:
         assert load_dflash(out, tiny_target).config.block_size == 5
+
+
+@pytest.mark.parametrize("feature_mode", ["cache", "on_the_fly"])
+def test_a_continued_draft_pays_each_answers_target_forward_once(
+    tiny_target: Path, trajectories: Path, tmp_path: Path, feature_mode: str
+) -> None:
+    """SFT continued from a draft (the matched-FLOPs `sft` arm) on cached features is charged each answer's target
+    forward once, in the epoch that first uses it, as the replay and the no-replay controls are; on the fly the
+    target runs again every epoch and is charged every epoch. The charge is the feature pass's: the decoder over
+    the padded batch, the LM head on the loss rows."""
+    from draft_opd_ray.flops import feature_pass_flops
+    from draft_opd_ray.models.target import read_target_info
+
+    draft = DraftConfig(draft_vocab_size=256, ttt_steps=2)
+    start, _ = _run(tiny_target, trajectories, tmp_path / "warm", 1, draft)
+    rec: list[dict] = []
+    job = SFTJob(
+        sft=SFTConfig(
+            epochs=3,
+            train_tokens=None,
+            batch_tokens=4096,
+            lr=1e-3,
+            study=SFTStudyConfig(start_from=str(start)),
+        ),
+        draft=draft,
+        optim=OptimConfig(warmup_ratio=0.0, schedule="constant"),
+        learner=LearnerConfig(zero_stage=0, dtype="float32"),
+        cache_dir=tmp_path / "cache",
+        feature_mode=feature_mode,
+    )
+    run_sft(job, tiny_target, trajectories, tmp_path / "continued", metrics=rec.append, progress=False)
+    rows = [r for r in rec if "loss" in r]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]  # the two 32-token answers make one batch an epoch
+    once = feature_pass_flops(read_target_info(tiny_target), 2, 32, 2 * (24 + 1))  # rows from prompt_len - 1
+    charged = [r["flops_target"] for r in rows]
+    want = [once, once, once] if feature_mode == "cache" else [once, 2 * once, 3 * once]
+    assert charged == pytest.approx(want)

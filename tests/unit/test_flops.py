@@ -87,3 +87,36 @@ def test_eagle3_block_flops_match_flop_counter() -> None:
     want = eagle3_block_flops(CFG, T, N, K)
     assert fwd.get_total_flops() == pytest.approx(want.forward, rel=0.03)
     assert bwd.get_total_flops() == pytest.approx(want.backward, rel=0.03)
+
+
+def test_feature_pass_flops_match_flop_counter(tiny_target: Path) -> None:
+    """SFT's target forward as `sft/features.py` runs it (the decoder over the padded batch, the LM head on the
+    rows its losses read) is what `feature_pass_flops` charges a batch, with the loss rows of `mask_batch`."""
+    from transformers import AutoModelForCausalLM
+
+    from draft_opd_ray.flops import feature_pass_flops
+    from draft_opd_ray.sft.features import target_features
+    from draft_opd_ray.sft.trainer import mask_batch
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_target), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    g = torch.Generator().manual_seed(0)
+    lengths, prompt_lens = [12, 9, 7], [5, 3, 6]
+    seqs = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        target_features(model, seqs, [1], torch.arange(256), 4, prompt_lens)
+    rows = int(mask_batch(lengths, prompt_lens)["loss_mask"].sum())
+    info = read_target_info(tiny_target)
+    want = feature_pass_flops(info, len(seqs), max(lengths), rows)
+    assert fc.get_total_flops() == pytest.approx(want, rel=0.01)
+    assert want < target_forward_flops(info, len(seqs), max(lengths))  # the head on every padded row: more
+
+
+def test_sft_charges_each_answers_target_forward_once_unless_on_the_fly() -> None:
+    from draft_opd_ray.sft.trainer import target_charge
+
+    assert target_charge("cache", continued=False) == "none"  # charged up front, with the cache
+    assert target_charge("cache", continued=True) == "first_epoch"  # a continued draft: where first used
+    assert target_charge("on_the_fly", continued=False) == "every_batch"  # the target runs again each epoch
+    assert target_charge("on_the_fly", continued=True) == "every_batch"

@@ -180,6 +180,10 @@ def test_replay_ships_the_drafts_own_top_m_with_the_teachers_log_probs_there(rep
     at = full.teacher_logprobs.gather(-1, t.draft_topm_ids)
     torch.testing.assert_close(t.teacher_logprobs_at_draft[valid], at[valid])
     assert t.teacher_logprobs is None and t.replay_draft_flops > 0
+    # the replay's draft pass is a forward (`test_flops.py` counts it): for EAGLE-3 more than a third of forward +
+    # backward, since the frozen head's and fc's backward cost what their forward does
+    assert t.replay_draft_flops == pytest.approx(student.flops(t, backward=False))
+    assert t.replay_draft_flops > student.flops(t) / 3
     assert TeacherSummary.of(t).draft_flops == t.replay_draft_flops
     # the teacher's mass outside the support (its top-k and the draft's top-m), in float64 from the full payload
     assert t.teacher_log_tail is not None and t.teacher_log_tail.shape == (N, K)

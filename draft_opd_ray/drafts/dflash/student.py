@@ -44,11 +44,13 @@ class DFlashStudent(DraftStudent):
             m(ids[None], feats[None], anchors[None])[0][:, 1 : num_speculative_tokens + 1]
         ).argmax(-1)  # type: ignore[no-any-return]
 
-    def flops(self, b: TeacherItem) -> float:
+    def flops(self, b: TeacherItem, *, backward: bool = True) -> float:
+        """Forward + backward (3x a forward), or the forward alone."""
         from draft_opd_ray.flops import dflash_forward_flops
 
         c = self.model.config
-        return 3.0 * dflash_forward_flops(c, len(b.input_ids), len(b.anchor_pos), b.drafted.shape[1])
+        fwd = dflash_forward_flops(c, len(b.input_ids), len(b.anchor_pos), b.drafted.shape[1])
+        return (3.0 if backward else 1.0) * fwd
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         return cpu_state(self.model.trainable_state_dict(), set())

@@ -50,12 +50,11 @@ class Eagle3Student(DraftStudent):
         feed(num_speculative_tokens, last)
         return torch.stack(toks, dim=-1)[0]
 
-    def flops(self, b: TeacherItem) -> float:
+    def flops(self, b: TeacherItem, *, backward: bool = True) -> float:
         from draft_opd_ray.flops import eagle3_block_flops
 
-        return eagle3_block_flops(
-            self.model.config, len(b.input_ids), len(b.anchor_pos), b.drafted.shape[1]
-        ).total
+        f = eagle3_block_flops(self.model.config, len(b.input_ids), len(b.anchor_pos), b.drafted.shape[1])
+        return f.total if backward else f.forward
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """Checkpoint names, without the (frozen, shared) target embedding; no id maps when Vd = V."""

@@ -73,12 +73,12 @@ class StandaloneStudent(DraftStudent):
             blocks[:, r] = logits[torch.tensor(last_rows, device=dev)].argmax(-1).cpu()
         return blocks
 
-    def flops(self, b: TeacherItem) -> float:
-        """Forward + backward (3x a forward) over the packed sequence and branches."""
+    def flops(self, b: TeacherItem, *, backward: bool = True) -> float:
+        """Forward + backward (3x a forward) over the packed sequence and branches, or the forward alone."""
         from draft_opd_ray.flops import model_config_info, target_forward_flops
 
         tokens = len(b.input_ids) + int((b.valid_len - b.accepted - 1).clamp(min=0).sum())
-        return 3.0 * target_forward_flops(model_config_info(self.model), 1, tokens)
+        return (3.0 if backward else 1.0) * target_forward_flops(model_config_info(self.model), 1, tokens)
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """HF names as `save_pretrained` writes them (a tied LM head only once)."""

@@ -46,7 +46,7 @@ class ToyStudent(DraftStudent):
                 ctx.append(int(blocks[j, r]))
         return blocks
 
-    def flops(self, b: TeacherItem) -> float:
+    def flops(self, b: TeacherItem, *, backward: bool = True) -> float:
         return 0.0  # not counted: a toy
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
