@@ -40,6 +40,9 @@ QUOTED = [
     ("mtbench", "sft_rollouts_soft − branch", (RESULTS_MD,)),
     ("validation", "sft_rollouts_soft", (RESULTS_MD,)),
     ("mtbench", "sft_rollouts_soft", (RESULTS_MD,)),
+    ("validation", "opd − sft_rollouts", (RESULTS_MD, README)),  # the no-replay hard-label control
+    ("mtbench", "opd − sft_rollouts", (RESULTS_MD, README)),
+    ("validation", "sft_rollouts − sft", (RESULTS_MD,)),
 ]
 
 
