@@ -1,5 +1,5 @@
 """Compare drafts: `python -m draft_opd_ray.compare RESULTS_DIR | RUN_DIR... [--baseline ARM] [--out DIR]
-[--dataset NAME] [--into DOC]`.
+[--dataset NAME] [--into DOC] [--exclude SET:KEYS]`.
 
 A results dir (`results/<study>/`, with `study.json`; the format is in `results/README.md` and
 `draft_opd_ray.eval.results`) holds the raw per-prompt counts of every draft on every prompt set. Per set: each
@@ -369,6 +369,18 @@ def run_compare(
     return result
 
 
+def parse_exclude(specs: Sequence[str]) -> dict[str, set[str]]:
+    """``["validation:6,9", "mtbench:3"]`` -> ``{"validation": {"6", "9"}, "mtbench": {"3"}}``."""
+    out: dict[str, set[str]] = {}
+    for spec in specs:
+        name, _, keys = spec.partition(":")
+        got = {k.strip() for k in keys.split(",") if k.strip()}
+        if not name or not got:
+            raise DataError(f"--exclude {spec!r}: expected SET:KEY[,KEY...], e.g. validation:6,9")
+        out.setdefault(name, set()).update(got)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m draft_opd_ray.compare", description=__doc__.splitlines()[0]
@@ -397,10 +409,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="DOC",
         help="results dir only: also rewrite the study's summary block in this markdown file (docs/results.md)",
     )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="SET:KEYS",
+        help="results dir only: leave out these prompt keys of a set (e.g. validation:6,9,25), a sensitivity "
+        "analysis; printed, written only to --out",
+    )
     args = parser.parse_args(argv)
     try:
         if len(args.runs) == 1 and is_study_dir(Path(args.runs[0])):
-            result = run_study(args.runs[0], out=args.out, baseline=args.baseline, dataset=args.dataset)
+            exclude = parse_exclude(args.exclude)
+            if exclude and args.into:
+                raise DataError("--into writes the study's own summary: not with --exclude")
+            result = run_study(
+                args.runs[0], out=args.out, baseline=args.baseline, dataset=args.dataset, exclude=exclude
+            )
             if args.into:
                 write_summary_into(args.into, result)
                 print(

@@ -111,17 +111,44 @@ def _set_numbers(study: Study, set_name: str, drafts: list[DraftResult], baselin
     return out
 
 
+def exclude_prompts(
+    sets: dict[str, list[DraftResult]], exclude: dict[str, set[str]]
+) -> dict[str, list[DraftResult]]:
+    """The sets without the prompt keys ``exclude`` names per set (a sensitivity analysis: e.g. the prompts with
+    a copy in the training data); a key no draft of its set holds is an error (a typo would exclude nothing)."""
+    out = dict(sets)
+    for name, keys in exclude.items():
+        if name not in sets:
+            raise DataError(f"--exclude: no set {name!r} (has: {', '.join(sets) or 'none'})")
+        have = {p.key for p in sets[name][0].prompts}
+        if missing := sorted(keys - have):
+            raise DataError(f"--exclude: set {name!r} has no prompt key {', '.join(missing)}")
+        out[name] = [
+            dataclasses.replace(r, prompts=tuple(p for p in r.prompts if p.key not in keys))
+            for r in sets[name]
+        ]
+    return out
+
+
 def compare_study(
-    path: str | Path, *, baseline: str | None = None, dataset: str | None = None
+    path: str | Path,
+    *,
+    baseline: str | None = None,
+    dataset: str | None = None,
+    exclude: dict[str, set[str]] | None = None,
 ) -> dict[str, Any]:
-    """The numbers of a results dir (what its `compare.json` holds)."""
+    """The numbers of a results dir (what its `compare.json` holds), without the prompts ``exclude`` names."""
     study, sets = load_study(path)
+    if exclude:
+        sets = exclude_prompts(sets, exclude)
     if dataset is not None:
         if dataset not in sets:
             raise DataError(f"{path}: no set {dataset!r} (has: {', '.join(sets) or 'none'})")
         sets = {dataset: sets[dataset]}
     base = baseline or study.baseline
     result: dict[str, Any] = {"study": dataclasses.asdict(study), "baseline": base, "sets": {}}
+    if exclude:
+        result["excluded"] = {name: sorted(keys, key=lambda k: (len(k), k)) for name, keys in exclude.items()}
     first = study.primary.set if study.primary else None
     for name, drafts in sorted(sets.items(), key=lambda kv: (kv[0] != first, kv[0])):
         result["sets"][name] = _set_numbers(study, name, drafts, base)
@@ -150,10 +177,13 @@ def ratio_cell(r: dict[str, Any]) -> str:
     return f"{r['ratio']:.3f} {interval(r, '.3f')}"
 
 
-def study_number(path: str | Path, set_name: str, name: str) -> str:
+def study_number(
+    path: str | Path, set_name: str, name: str, exclude: dict[str, set[str]] | None = None
+) -> str:
     """One published cell recomputed from a results dir: the comparison (``"opd − sft"``), ratio (``"P1"``,
-    ``"τ(opd) / τ(sft)"``) or arm (``"opd"``: its τ) called ``name`` on ``set_name``, as the table prints it."""
-    s = compare_study(path)["sets"][set_name]
+    ``"τ(opd) / τ(sft)"``) or arm (``"opd"``: its τ) called ``name`` on ``set_name``, as the table prints it
+    (without the prompts ``exclude`` names, for a sensitivity analysis)."""
+    s = compare_study(path, exclude=exclude)["sets"][set_name]
     name = name.replace(" - ", " − ")
     for c in s["comparisons"]:
         if c["name"] == name:
@@ -325,7 +355,10 @@ def write_summary_into(doc: str | Path, result: dict[str, Any]) -> None:
 
 def render_study(result: dict[str, Any]) -> str:
     st = result["study"]
-    lines = [f"# {st['name']}: {st['question']}", "", *_primary_lines(result), LEGEND, ""]
+    lines = [f"# {st['name']}: {st['question']}", ""]
+    for name, keys in result.get("excluded", {}).items():
+        lines += [f"**Sensitivity analysis: {name} without prompts {', '.join(keys)}** (`--exclude`).", ""]
+    lines += [*_primary_lines(result), LEGEND, ""]
     if st["notes"]:
         lines += [st["notes"], ""]
     for name, s in result["sets"].items():
@@ -343,10 +376,15 @@ def run_study(
     out: str | Path | None = None,
     baseline: str | None = None,
     dataset: str | None = None,
+    exclude: dict[str, set[str]] | None = None,
 ) -> dict[str, Any]:
-    """Recompute a results dir's tables: print them and write `compare.{md,json}` to ``out`` (default: the dir)."""
-    result = compare_study(path, baseline=baseline, dataset=dataset)
+    """Recompute a results dir's tables: print them and write `compare.{md,json}` to ``out`` (default: the dir;
+    with ``exclude``, a sensitivity analysis, only to an ``out`` given, never over the dir's own tables)."""
+    result = compare_study(path, baseline=baseline, dataset=dataset, exclude=exclude)
     table = render_study(result)
+    if exclude and out is None:
+        print(table, end="", flush=True)
+        return result
     dest = Path(out) if out is not None else Path(path)
     dest.mkdir(parents=True, exist_ok=True)
     write_text_atomic(dest / "compare.md", table)

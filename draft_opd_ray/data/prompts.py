@@ -8,8 +8,12 @@ Where the conversation holds the assistant's answer to that turn, ``Prompt.meta[
 stage can add these answers, scored by the target, to its data: ``sft.dataset_answers``).
 
 Bad rows are counted in ``PromptSet.skipped`` (reason -> count), never crash a run; a source with no usable
-row at all raises :class:`DataError` naming the config key or file. The train/eval split hashes the prompt
-id (sha256), so a prompt stays on the same side whatever the seed, cap or machine.
+row at all raises :class:`DataError` naming the config key or file. The train/eval split hashes a group's key
+(sha256), so a prompt stays on the same side whatever the seed, cap or machine; a group is the prompts whose user
+text is the same after case and whitespace are folded, joined for ShareGPT with the other pieces of their
+conversation (ids ``<stem>_<n>``), keyed by its least id (`split_keys`). So no copy of an evaluation prompt is
+trained on: ShareGPT repeats first turns ("hi", "Explain quantum computing in simple terms") under many ids. Within
+a split, a prompt whose text repeats an earlier one is skipped ("duplicate_text").
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -225,11 +230,11 @@ def scan_prompt_file(cfg: PromptSetConfig, key: str = "data") -> int:
     if cfg.source in _PACKAGED:
         return -1
     split, frac = cfg.split, float(cfg.eval_fraction)
-    ids = [r[0] for r in iter_raw_prompts(cfg, key=key)]
-    n = sum(split in ("all", split_of(pid, frac)) for pid in ids)
+    raws = list(iter_raw_prompts(cfg, key=key))
+    n = len(drop_repeated_texts(in_split(raws, cfg.source, split, frac), {}))
     if n == 0:
         raise DataError(
-            f"{key}: no prompt of {cfg.path} falls in split '{split}' ({len(ids)} usable prompts, "
+            f"{key}: no prompt of {cfg.path} falls in split '{split}' ({len(raws)} usable prompts, "
             f"eval_fraction={frac}); lower {key}.eval_fraction or set {key}.split=all"
         )
     return n
@@ -332,6 +337,66 @@ def iter_raw_prompts(
         raise DataError(f"{key}.path: no usable prompt in {n_rows} rows of {cfg.path} ('{fname}'; {why})")
 
 
+_PIECE = re.compile(r"^(?P<stem>.+)_(?P<n>\d+)$")  # a ShareGPT id: one piece of a long conversation
+
+
+def prompt_text_key(messages: list[dict[str, str]]) -> str:
+    """The prompt's user text with case and whitespace folded: equal keys are the same prompt."""
+    text = "\n".join(m["content"] for m in messages if m["role"] == "user")
+    return " ".join(text.lower().split())
+
+
+def split_keys(raws: list[RawPrompt], source: str) -> list[str]:
+    """Per prompt, the key its split hashes: the least id of its group (the prompts joined by one user text and,
+    for ShareGPT, one conversation), so copies and pieces of one conversation never straddle the split."""
+    parent = list(range(len(raws)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple[str, str], int] = {}
+    for i, (pid, messages, _) in enumerate(raws):
+        links = [("text", prompt_text_key(messages))]
+        if source == "sharegpt" and (m := _PIECE.match(pid)):
+            links.append(("conversation", m["stem"]))
+        for link in links:
+            j = first.setdefault(link, i)
+            a, b = find(i), find(j)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    least: dict[int, str] = {}
+    for i, (pid, _, _) in enumerate(raws):
+        root = find(i)
+        least[root] = min(least.get(root, pid), pid)
+    return [least[find(i)] for i in range(len(raws))]
+
+
+def in_split(raws: list[RawPrompt], source: str, split: str, eval_fraction: float) -> list[RawPrompt]:
+    """The prompts of ``split`` ("all", "train", "eval") in file order, grouped as `split_keys` says, each text
+    once (a later copy is skipped: see `load_prompt_set`)."""
+    if split == "all":
+        return raws
+    keys = split_keys(raws, source)
+    return [r for r, k in zip(raws, keys) if split_of(k, eval_fraction) == split]
+
+
+def drop_repeated_texts(raws: list[RawPrompt], skipped: MutableMapping[str, int]) -> list[RawPrompt]:
+    """The prompts whose user text (`prompt_text_key`) has not come before, counted as "duplicate_text"."""
+    seen: set[str] = set()
+    out = []
+    for r in raws:
+        key = prompt_text_key(r[1])
+        if key in seen:
+            skipped["duplicate_text"] = skipped.get("duplicate_text", 0) + 1
+            continue
+        seen.add(key)
+        out.append(r)
+    return out
+
+
 def split_of(prompt_id: str, eval_fraction: float) -> str:
     """'eval' or 'train', from a stable hash of the id (independent of seed and process)."""
     h = int.from_bytes(hashlib.sha256(prompt_id.encode("utf-8")).digest()[:8], "big")
@@ -364,10 +429,9 @@ def load_prompt_set(
         raise DataError(f"{key}: the tokenizer has no chat template; disable the chat template for this set")
     skipped: Counter[str] = Counter()
     split, frac = cfg.split, float(cfg.eval_fraction)
-    raw = [
-        r for r in iter_raw_prompts(cfg, key=key, skipped=skipped) if split in ("all", split_of(r[0], frac))
-    ]
+    raw = in_split(list(iter_raw_prompts(cfg, key=key, skipped=skipped)), cfg.source, split, frac)
     n_split = len(raw)
+    raw = drop_repeated_texts(raw, skipped)
     random.Random(cfg.seed).shuffle(raw)
     cap, max_tokens = int(cfg.max_prompts), int(cfg.max_prompt_tokens)
     prompts: list[Prompt] = []

@@ -354,3 +354,30 @@ def test_the_summary_block_is_the_tables_side_by_side_and_rewrites_a_document(
     doc.write_text("# no block here\n")
     assert "no block from" in _fails([str(root), "--into", str(doc)], capsys)
     assert doc.read_text() == "# no block here\n"
+
+
+def test_exclude_is_the_study_without_those_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--exclude validation:1,3` (a sensitivity analysis) prints what the same study without prompts 1 and 3
+    prints, says so at the top, and leaves the dir's own compare.md alone; an unknown set or key is an error."""
+    root = write_study(tmp_path / "full" / "toy")
+    main([str(root)])
+    own = (root / "compare.md").read_text()
+    capsys.readouterr()
+    main([str(root), "--exclude", "validation:1", "--exclude", "validation:3"])
+    out = capsys.readouterr().out
+    assert (root / "compare.md").read_text() == own
+    assert out.startswith(
+        "# toy: does opd beat sft at matched FLOPs?\n\n**Sensitivity analysis: validation without "
+        "prompts 1, 3** (`--exclude`).\n"
+    )
+    for arm, seeds in VALIDATION.items():
+        monkeypatch.setitem(VALIDATION, arm, [[c for i, c in enumerate(s) if i not in (1, 3)] for s in seeds])
+    smaller = write_study(tmp_path / "small" / "toy")
+    main([str(smaller)])
+    # the same tables: prompt keys differ (0, 2, 4 against 0, 1, 2) but no number depends on them
+    assert out.split("\n", 4)[4] == capsys.readouterr().out.split("\n", 2)[2]
+    assert "no prompt key 9" in _fails([str(root), "--exclude", "validation:2,9"], capsys)
+    assert "no set 'test'" in _fails([str(root), "--exclude", "test:1"], capsys)
+    assert "expected SET:KEY" in _fails([str(root), "--exclude", "validation"], capsys)

@@ -302,3 +302,30 @@ def test_tokenizer_without_chat_template(tok):
         assert len(P.load_prompt_set(Cfg(source="mtbench", max_prompts=3), tok, chat_template=False)) == 3
     finally:
         tok.chat_template = saved
+
+
+def test_copies_and_conversation_pieces_never_straddle_the_split(tmp_path, tok):
+    """A prompt text repeated under many ids (ShareGPT's "hi") lands on one side with all its copies, once; the
+    pieces of one ShareGPT conversation (ids <stem>_<n>) too, even with different first turns."""
+    rows = [{"id": f"r{i}", "prompt": f"question number {i}"} for i in range(300)]
+    rows += [{"id": f"hi{i}", "prompt": "Hi" if i % 2 else "  hi "} for i in range(40)]  # one text, 40 ids
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = Cfg(path=path, eval_fraction=0.3)
+    train = P.load_prompt_set(replace(cfg, split="train"), tok)
+    ev = P.load_prompt_set(replace(cfg, split="eval"), tok)
+    texts = [{P.prompt_text_key(list(p.messages)) for p in s.prompts} for s in (train, ev)]
+    assert not texts[0] & texts[1]
+    assert "hi" in texts[0] | texts[1] and len(train) + len(ev) == 301  # each text once, in one split
+    assert train.skipped.get("duplicate_text", 0) + ev.skipped.get("duplicate_text", 0) == 39
+
+    def raw(pid: str, text: str) -> P.RawPrompt:
+        return pid, [{"role": "user", "content": text}], {}
+
+    raws = [raw(f"conv{c}_{n}", f"turn {n} of {c}") for c in range(200) for n in range(3)]
+    raws.append(raw("other_0", "turn 0 of 5"))  # a copy of conv5's first turn joins conv5's group
+    keys = P.split_keys(raws, "sharegpt")
+    assert all(keys[3 * c + n] == f"conv{c}_0" for c in range(200) for n in range(3))
+    assert keys[-1] == "conv5_0"
+    sides = {P.split_of(k, 0.3) for k in keys}
+    assert sides == {"train", "eval"}  # the groups spread over both sides, each whole
+    assert P.split_keys(raws, "jsonl")[1] == "conv0_1"  # conversation pieces are ShareGPT's only

@@ -72,3 +72,17 @@ def test_the_summary_block_in_results_md_is_the_files():
         "docs/results.md's summary block is not the files' numbers: run "
         "`python -m draft_opd_ray.compare results/default_controls --into docs/results.md`"
     )
+
+
+COPIES = {
+    "validation": {"6", "9", "25", "46", "61", "71"}
+}  # validation prompts with a copy among the train prompts
+
+
+@pytest.mark.parametrize(
+    "name", ["opd − sft", "opd − sft_rollouts", "opd − sft_rollouts_soft", "opd − branch"]
+)
+def test_the_sensitivity_analysis_quoted_is_the_files(name: str) -> None:
+    """results.md's numbers without the validation prompts that have a copy in the training data."""
+    number = study_number(str(STUDY), "validation", name, exclude=COPIES)
+    assert f"{name.replace('branch', 'warm start')} {number}" in " ".join(RESULTS_MD.split())
