@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -52,6 +53,7 @@ ARMS: dict[str, list[str]] = {
     "random": ["stages=[opd]", "anchor.policy=random", "replay.mode=redraft"],
 }
 COMMON = ["sft.num_prompts=768", "sft.trajectory_dtype=float32", "wandb.mode=disabled"]
+EVAL_K = 4  # drafted tokens per verification step in every evaluation (the study's K)
 EVAL_SETS = {
     "validation": ("sharegpt", "eval"),
     "mtbench": ("mtbench", "all"),
@@ -133,36 +135,58 @@ def eval_prompts(name: str, n: int, target: str) -> list[list[int]]:
     return prompt_ids(source, split, n, target)
 
 
-def _stamp(draft: Path) -> int:
-    """What identifies a draft's weights in the measurement cache: its weights file's modification time (an arm
-    re-run from scratch writes new ones)."""
-    return (draft / "model.safetensors").stat().st_mtime_ns
+def _stamp(draft: Path) -> str:
+    """What identifies a draft's weights in the measurement cache: the sha256 of its weights file (a copy keeps
+    its modification time, so the time would not tell a re-trained arm from the one measured)."""
+    h = hashlib.sha256()
+    with open(draft / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def cache_file(cache: Path, name: str, prompts: list[list[int]], max_new: int, target: str) -> Path:
+    """The measurement cache of one setting: the set, its prompts' token ids (so a changed split or template is
+    a new file, never a reuse), K, the answer length and the target's config."""
+    config = Path(target) / "config.json"
+    setting = {
+        "prompts": prompts,
+        "k": EVAL_K,
+        "max_new_tokens": max_new,
+        "target": config.read_text() if config.is_file() else str(target),
+    }
+    key = hashlib.sha256(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:10]
+    return cache / f"taus_{name}_n{len(prompts)}_t{max_new}_{key}.json"
 
 
 def measure(
     target: str, kind: str, drafts: list[Path], sets: list[str], n: int, max_new: int, cache: Path
 ) -> dict[str, dict[str, Any]]:
     """{set: {draft: tau entry}} with one engine per set. Each draft's entry is kept in ``cache`` as soon as it is
-    measured (per set, prompt count and answer length), and drafts found there are not measured again: an
-    evaluation stopped mid-way (a session's end) continues where it stopped."""
-    return {
-        s: _measure_set(target, kind, drafts, s, n, max_new, cache / f"taus_{s}_n{n}_t{max_new}.json")
-        for s in sets
-    }
+    measured (`cache_file`: per set and setting, keyed by the draft's weights), and drafts found there are not
+    measured again: an evaluation stopped mid-way (a session's end) continues where it stopped."""
+    out = {}
+    for s in sets:
+        prompts = eval_prompts(s, n, target)
+        out[s] = _measure_set(
+            target, kind, drafts, s, prompts, max_new, cache_file(cache, s, prompts, max_new, target)
+        )
+    return out
 
 
 def _measure_set(
-    target: str, kind: str, drafts: list[Path], name: str, n: int, max_new: int, path: Path
+    target: str, kind: str, drafts: list[Path], name: str, prompts: list[list[int]], max_new: int, path: Path
 ) -> dict[str, Any]:
     from draft_opd_ray.checkpoint import write_text_atomic
     from draft_opd_ray.eval.tau import measure_drafts
 
     kept = json.loads(path.read_text()) if path.is_file() else {}
-    have = {d: e["entry"] for d, e in kept.items() if Path(d).is_dir() and e["stamp"] == _stamp(Path(d))}
+    stamps = {str(d): _stamp(d) for d in drafts}  # before measuring: a file rewritten meanwhile is not cached
+    have = {d: e["entry"] for d, e in kept.items() if d in stamps and e["stamp"] == stamps[d]}
     todo = [d for d in drafts if str(d) not in have]
 
     def keep(draft: str, entry: dict[str, Any]) -> None:
-        kept[draft] = {"stamp": _stamp(Path(draft)), "entry": entry}
+        kept[draft] = {"stamp": stamps[draft], "entry": entry}
         write_text_atomic(path, json.dumps(kept) + "\n")
 
     if todo:
@@ -171,9 +195,14 @@ def _measure_set(
             f"[eval] {name}: {len(todo)} drafts to measure, {len(drafts) - len(todo)} kept in {path}",
             flush=True,
         )
-        prompts = eval_prompts(name, n, target)
         have |= measure_drafts(
-            target, kind, todo, prompts, num_speculative_tokens=4, max_new_tokens=max_new, on_measured=keep
+            target,
+            kind,
+            todo,
+            prompts,
+            num_speculative_tokens=EVAL_K,
+            max_new_tokens=max_new,
+            on_measured=keep,
         )
     return {str(d): have[str(d)] for d in drafts}
 
@@ -603,9 +632,11 @@ def export(args: argparse.Namespace) -> None:
     tokens), with the arm's training FLOPs, trained tokens, command and commit. `python -m draft_opd_ray.compare
     results/<study>` recomputes every table from them."""
     from draft_opd_ray.checkpoint import write_text_atomic
+    from draft_opd_ray.models.embedded import ensure_embedded_target
 
     out = Path(args.to)
     branch = branch_point(args)
+    target = str(ensure_embedded_target())
     runs = sorted(p for p in (study(args) / "arms").glob("*_s*") if final_draft(p) is not None)
     primary = None
     if args.primary:
@@ -615,7 +646,8 @@ def export(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "study.json", json.dumps(meta, indent=2) + "\n")
     for s in args.sets.split(","):
-        path = study(args) / "eval" / f"taus_{s}_n{args.eval_prompts}_t{args.max_new_tokens}.json"
+        prompts = eval_prompts(s, args.eval_prompts, target)
+        path = cache_file(study(args) / "eval", s, prompts, args.max_new_tokens, target)
         kept = json.loads(path.read_text()) if path.is_file() else {}
         rows = [("branch", None, branch, None)] + [
             (r.name.rsplit("_s", 1)[0], int(r.name.rsplit("_s", 1)[1]), final_draft(r), r) for r in runs
@@ -625,12 +657,16 @@ def export(args: argparse.Namespace) -> None:
             if entry is None:
                 print(f"[export] {s}: {draft} not measured yet (`eval --last`), left out")
                 continue
+            if entry["stamp"] != _stamp(draft):  # type: ignore[arg-type]
+                raise SystemExit(
+                    f"[export] {s}: {draft}'s weights changed since they were measured: run `eval` again"
+                )
             label = "branch" if seed is None else f"{arm}_s{seed}"
             rec = {
                 "arm": arm,
                 "seed": seed,
                 "set": s,
-                "k": 4,
+                "k": EVAL_K,
                 "max_new_tokens": args.max_new_tokens,
                 "flops": training_flops(draft) if run is not None else None,  # type: ignore[arg-type]
                 "tokens": trained_tokens(draft) if run is not None else None,  # type: ignore[arg-type]

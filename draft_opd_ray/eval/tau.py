@@ -78,6 +78,24 @@ def measure(
     return stats, [r for r in recs if not r.error]
 
 
+def check_swap(engine: Any, weights: dict[str, Any], version: int, first: set[str], where: str) -> None:
+    """Raise `RefitError` unless the engine now serves ``weights``: a draft must hold every tensor the engine's
+    first draft held (vLLM keeps a layer's old values where the file has no tensor for it, with a log line only),
+    and the engine's fingerprints of what it serves must be those of ``weights`` (`sync.refit.check_ack`)."""
+    import torch
+
+    from draft_opd_ray.errors import RefitError
+    from draft_opd_ray.sync.refit import check_ack, fingerprints
+
+    if missing := sorted(first - set(weights)):
+        raise RefitError(
+            f"{where}: lacks {len(missing)} tensors the first draft has ({', '.join(missing[:3])}): a swap would "
+            "keep the previous draft's values there"
+        )
+    ack = engine.refit_ack(f"eval engine, draft {where}")
+    check_ack(ack, version, {ack.dtype: fingerprints(weights.items(), getattr(torch, ack.dtype))})
+
+
 def measure_drafts(
     target: str | os.PathLike[str],
     kind: str,
@@ -91,7 +109,8 @@ def measure_drafts(
     on_measured: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """τ of several drafts of one kind (and vocabulary) on the same prompts, greedy, in ONE vLLM engine: after
-    the first, each draft's weights are swapped in (`load_draft_weights`). Keyed by the draft folder; each
+    the first, each draft's weights are swapped in (`load_draft_weights`) and checked (`check_swap`: the same
+    tensor names as the first draft, and the engine's refit proof of their values). Keyed by the draft folder; each
     value is a `tau_entry` (τ, n, 95% CI, per-prompt counts). ``on_measured(draft, entry)`` is called as each
     draft is done (a caller that keeps them loses none to a stop mid-list). ``stop_token_ids``: the ids that
     end an answer (None: the target's eos ids, `models.target.stop_token_ids`)."""
@@ -111,10 +130,15 @@ def measure_drafts(
         TargetConfig(max_model_len=max_model_len),
         RolloutConfig(),
     )
+    first: set[str] = set()
     try:
         for v, path in enumerate(drafts):
-            if v > 0:
-                engine.load_draft_weights(load_file(str(Path(path) / "model.safetensors")), v)
+            if v == 0:
+                first = set(load_file(str(Path(path) / "model.safetensors")))
+            else:
+                weights = load_file(str(Path(path) / "model.safetensors"))
+                engine.load_draft_weights(weights, v)
+                check_swap(engine, weights, v, first, str(path))
             stats, recs = measure_all(engine, prompts, sampling)
             out[str(path)] = tau_entry(stats, recs)
             if on_measured is not None:

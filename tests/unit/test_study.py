@@ -221,18 +221,20 @@ def test_eval_keeps_each_measured_draft(
     study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An evaluation stopped after some drafts (a session's end) keeps their tau: the rerun measures only the rest,
-    and a draft whose weights were rewritten since (an arm re-run) is measured again. The engine is replaced here:
-    this tests the bookkeeping around `measure_drafts`, not tau."""
+    a draft whose weights were rewritten since (an arm re-run) is measured again, even when the new file carries
+    the old one's modification time (a copy), and other prompts (a changed split) are another cache. The engine is
+    replaced here: this tests the bookkeeping around `measure_drafts`, not tau."""
     import os
 
     import draft_opd_ray.eval.tau as tau_mod
 
     mod, _ = study
     drafts = [Path(f"d{i}") for i in range(3)]
-    for d in drafts:
+    for i, d in enumerate(drafts):
         d.mkdir()
-        (d / "model.safetensors").write_bytes(b"w")
-    monkeypatch.setattr(mod, "eval_prompts", lambda name, n, target: [[1, 2]] * n)
+        (d / "model.safetensors").write_bytes(b"w%d" % i)
+    split = {"first": 1}
+    monkeypatch.setattr(mod, "eval_prompts", lambda name, n, target: [[split["first"], 2]] * n)
     measured: list[str] = []
 
     def fake(target, kind, todo, prompts, *, on_measured, stop_after=None, **kw):  # type: ignore[no-untyped-def]
@@ -252,11 +254,20 @@ def test_eval_keeps_each_measured_draft(
     monkeypatch.setattr(tau_mod, "measure_drafts", fake)
     got = mod.measure("t", "standalone", drafts, ["validation"], 5, 64, Path("cache"))["validation"]
     assert measured == ["d0", "d1", "d2"] and [got[str(d)]["tau"] for d in drafts] == [2.0, 3.0, 4.0]
-    os.utime(drafts[1] / "model.safetensors", ns=(1, 1))  # d1's weights rewritten
+    weights = drafts[1] / "model.safetensors"
+    when = weights.stat().st_mtime_ns
+    weights.write_bytes(b"new")  # d1 re-trained, its file copied in with the old modification time
+    os.utime(weights, ns=(when, when))
     got = mod.measure("t", "standalone", drafts, ["validation"], 5, 64, Path("cache"))["validation"]
     assert measured[3:] == ["d1"] and got["d1"]["tau"] == 5.0 and got["d0"]["tau"] == 2.0
     mod.measure("t", "standalone", drafts, ["validation"], 10, 64, Path("cache"))  # another prompt count
     assert measured[4:] == ["d0", "d1", "d2"]
+    split["first"] = 7  # the same count of other prompts
+    mod.measure("t", "standalone", drafts, ["validation"], 10, 64, Path("cache"))
+    assert (
+        measured[7:] == ["d0", "d1", "d2"]
+        and len(list(Path("cache").glob("taus_validation_n10_t64_*.json"))) == 2
+    )
 
 
 def test_study_chain_runs_the_named_arm_groups(tmp_path: Path) -> None:
@@ -336,3 +347,74 @@ def test_a_controls_passes_repeat_the_students_work_not_the_target_forward(
     flops = [4.39e13 + e * 2.06e13 for e in range(1, 8)]
     best = min(range(1, 8), key=lambda e: abs(flops[e - 1] - 1.27e14))
     assert mod.control_pass_count(1.27e14, 4.39e13, 2.06e13) == best
+
+
+def test_export_writes_the_measured_counts_and_refuses_weights_changed_since(
+    study: tuple[ModuleType, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`export` reads the measurement of each draft from the cache of the setting it measured (same prompts) and
+    writes it in the results format; a draft whose weights changed after its measurement stops the export (its τ
+    would be published beside another draft's FLOPs)."""
+    import draft_opd_ray.models.embedded as embedded
+
+    mod, _ = study
+    monkeypatch.setattr(mod, "eval_prompts", lambda name, n, target: [[1, 2]] * n)
+    monkeypatch.setattr(embedded, "ensure_embedded_target", lambda: Path("target"))
+    root = Path("runs/study/s")
+    branch = root / "plateau" / "checkpoints" / "sft" / "step_4" / "draft"
+    arm = root / "arms" / "opd_s0"
+    draft = arm / "checkpoints" / "opd" / "step_2" / "draft"
+    for d in (branch, draft):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(str(d).encode())
+    (root / "plateau" / "plateau.json").write_text(json.dumps({"branch": str(branch), "overrides": []}))
+    torch.save(
+        {"tokens": 100, "flops": {"flops_draft": 1e12, "flops_target": 2e12}},
+        draft.parent / "training_state.pt",
+    )
+    (arm / "checkpoints" / "opd" / "latest").write_text("step_2\n")
+    for name, text in (
+        ("arm", "opd"),
+        ("command", "python -m draft_opd_ray.main ..."),
+        ("commit", "abc1234"),
+    ):
+        (arm / name).write_text(text + "\n")
+    counts = [{"steps": 3, "accepted": 1}, {"steps": 2, "accepted": 2}]
+    cache = mod.cache_file(root / "eval", "validation", [[1, 2]] * 2, 64, "target")
+    cache.parent.mkdir(parents=True)
+    entry = {"tau": 1.6, "per_prompt": counts}
+    cache.write_text(json.dumps({str(d): {"stamp": mod._stamp(d), "entry": entry} for d in (branch, draft)}))
+    argv = ("export", "--name", "s", "--sets", "validation", "--eval-prompts", "2", "--max-new-tokens", "64")
+    run(mod, monkeypatch, *argv, "--to", "results/s")
+    rec = json.loads(Path("results/s/validation/opd_s0.json").read_text())
+    assert rec["flops"] == 3e12 and rec["commit"] == "abc1234" and rec["k"] == 4
+    assert rec["prompts"] == [
+        {"key": "0", "steps": 3, "accepted": 1},
+        {"key": "1", "steps": 2, "accepted": 2},
+    ]
+    (draft / "model.safetensors").write_bytes(b"re-trained")
+    with pytest.raises(SystemExit, match="weights changed since they were measured"):
+        run(mod, monkeypatch, *argv, "--to", "results/s")
+
+
+def test_a_pinned_study_runs_at_its_commit_only(tmp_path: Path) -> None:
+    """`bench/controls_study.sh`: a results dir with a `pinned` commit refuses another checkout (exit 2, with the
+    worktree command), so no seed of a study runs other code or another prompt split than its first."""
+    script = BENCH.parent / "controls_study.sh"
+    head = subprocess.run(
+        ["git", "-C", str(BENCH.parent), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    bindir, results = tmp_path / "bin", tmp_path / "results"
+    bindir.mkdir()
+    results.mkdir()
+    (bindir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # study.py and compare do nothing here
+    (bindir / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "RESULTS": str(results), "SEEDS": "0"}
+    (results / "pinned").write_text("0000000\nwhy\n")
+    bad = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert (
+        bad.returncode == 2 and "pinned to commit 0000000" in bad.stderr and "git worktree add" in bad.stderr
+    )
+    (results / "pinned").write_text(f"{head}\n")
+    ok = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
