@@ -246,6 +246,9 @@ class TrainState:
     flops_draft: float = 0.0
     flops_target: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    planned_steps: int = (
+        0  # with sft.study.max_flops: the steps it allows, counted at step 0 (`planned_steps`)
+    )
 
 
 @dataclass
@@ -504,6 +507,32 @@ def target_charge(feature_mode: str, continued: bool) -> str:
     return "first_epoch" if continued else "none"
 
 
+def charged(charge: str, epoch: int) -> bool:
+    """Whether a batch of ``epoch`` pays its target forward under ``charge`` (`target_charge`)."""
+    return charge == "every_batch" or (charge == "first_epoch" and epoch == 0)
+
+
+def planned_steps(loop: Loop, budget: Budget, job: SFTJob, lengths: Sequence[int]) -> int:
+    """The steps ``sft.study.max_flops`` allows, counted ahead from step 0: each epoch's batches in the order the
+    loop takes them (`length_batches`) and each batch's FLOPs as the loop adds them (the draft's, and the target's
+    where charged). The lr schedule runs over these steps, so it follows updates, as Draft-OPD's does, however
+    unevenly the FLOPs fall on them (each answer's feature forward is charged in the first epoch only)."""
+    assert budget.max_flops is not None
+    plens = loop.source.prompt_lens
+    spent, steps = loop.state.flops_draft + loop.state.flops_target, 0
+    for epoch in range(budget.epochs):
+        for idx in length_batches(lengths, job.sft.batch_tokens, job.seed + epoch):
+            if spent >= budget.max_flops or (budget.max_steps is not None and steps >= budget.max_steps):
+                return steps
+            whole = mask_batch([lengths[i] for i in idx], [plens[i] for i in idx])
+            spent += loop.recipe.flops(whole)
+            if charged(loop.charge_target, epoch):
+                B, T = whole["input_ids"].shape
+                spent += feature_pass_flops(loop.info, B, T, int(whole["loss_mask"].sum()))
+            steps += 1
+    return steps
+
+
 def _step_row(
     state: TrainState, loss: float, m: dict[str, float], lr: float, ntok: int, padded: int, dt: float
 ) -> dict[str, Any]:
@@ -569,6 +598,12 @@ def _train(loop: Loop, budget: Budget, job: SFTJob, progress: bool) -> Path:
     loop.flops0 = 0.0 if state.step else state.flops_draft + state.flops_target  # the cached features' FLOPs
     lengths = [loop.source.length(i) for i in range(len(loop.source))]
     total_steps = budget.total_steps(len(length_batches(lengths, sft.batch_tokens, job.seed)))
+    if budget.max_flops is not None and state.step == 0:
+        state.planned_steps = planned_steps(loop, budget, job, lengths)
+    if (
+        state.planned_steps
+    ):  # the schedule over the updates the FLOPs allow (a checkpoint before it: the fraction)
+        total_steps = min(total_steps, state.planned_steps)
     total, initial, unit = progress_measure(state, budget, total_steps, loop.flops0)
     bar = tqdm(
         total=total, initial=initial, desc="sft", unit=unit, unit_scale=unit != "step", disable=not progress
@@ -606,7 +641,7 @@ def _epoch(
             state.tokens,
             budget.train_tokens,
             loop.flops(),
-            None if budget.max_flops is None else budget.max_flops - loop.flops0,
+            None if budget.max_flops is None or state.planned_steps else budget.max_flops - loop.flops0,
         )
         lr = job.sft.lr * lr_factor(progress_frac, job.optim.warmup_ratio, job.optim.schedule)
         for g in loop.opt.param_groups:
@@ -623,7 +658,7 @@ def _epoch(
         state.train_s += dt
         state.tokens += ntok
         state.flops_draft += loop.recipe.flops(batch)
-        if loop.charge_target == "every_batch" or (loop.charge_target == "first_epoch" and state.epoch == 0):
+        if charged(loop.charge_target, state.epoch):
             state.flops_target += feature_pass_flops(loop.info, B, T, ntok)
         state.budget_s_used = loop.used_s()
         loop.emit(_step_row(state, loss, m, lr, ntok, B * T, dt))

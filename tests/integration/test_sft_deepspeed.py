@@ -115,3 +115,41 @@ def test_a_continued_draft_pays_each_answers_target_forward_once(
     charged = [r["flops_target"] for r in rows]
     want = [once, once, once] if feature_mode == "cache" else [once, 2 * once, 3 * once]
     assert charged == pytest.approx(want)
+
+
+def test_the_flops_budget_schedule_runs_over_the_updates_it_allows(
+    tiny_target: Path, trajectories: Path, tmp_path: Path
+) -> None:
+    """With `sft.study.max_flops` the lr schedule runs over the updates the budget allows, counted ahead from each
+    batch's FLOPs (`planned_steps`), not over the FLOPs fraction: the first epoch, which also pays the answers'
+    feature forward, does not spend the schedule faster than the epochs after it."""
+    from draft_opd_ray.optim import lr_factor
+
+    draft = DraftConfig(draft_vocab_size=256, ttt_steps=2)
+    start, _ = _run(tiny_target, trajectories, tmp_path / "warm", 1, draft)
+
+    def continued(name: str, max_flops: float | None) -> list[dict]:
+        rec: list[dict] = []
+        study = SFTStudyConfig(start_from=str(start), max_flops=max_flops)
+        job = SFTJob(
+            sft=SFTConfig(epochs=4, train_tokens=None, batch_tokens=4096, lr=1e-3, study=study),
+            draft=draft,
+            optim=OptimConfig(warmup_ratio=0.0, schedule="cosine"),
+            learner=LearnerConfig(zero_stage=0, dtype="float32"),
+            cache_dir=tmp_path / "cache",
+        )
+        run_sft(job, tiny_target, trajectories, tmp_path / name, metrics=rec.append, progress=False)
+        return [r for r in rec if "loss" in r]
+
+    free = continued("free", None)  # 4 epochs of one batch: the FLOPs each step ends at
+    spent = [r["flops_draft"] + r["flops_target"] for r in free]
+    assert (
+        spent[0] > spent[1] - spent[0] == pytest.approx(spent[2] - spent[1])
+    )  # epoch 0 pays the features too
+    rows = continued("budget", spent[2])  # the budget of 3 steps
+    assert len(rows) == 3
+    state = torch.load(tmp_path / "budget" / "checkpoints" / "sft" / "step_3" / "training_state.pt")
+    assert state["planned_steps"] == 3
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [1e-3 * lr_factor(i / 3, 0.0, "cosine") for i in range(3)]
+    )
