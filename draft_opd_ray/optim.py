@@ -95,6 +95,19 @@ def build_engine(
     return engine, opt, sched
 
 
+def step_with_grad_norm(engine: Any) -> float:
+    """``engine.step()``, returning the update's gradient 2-norm before clipping (NaN where none is known): the
+    norm DeepSpeed's optimizer took (bf16, fp16, ZeRO), else the norm of the parameters' gradients, which under
+    ZeRO stage 0 are whole on every rank after backward (DeepSpeed's float32 path clips without keeping it)."""
+    import torch
+
+    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+    local = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else math.nan
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else local
+
+
 def optimizer_state(optimizer: Any) -> dict[str, Any]:
     """``optimizer`` (``engine.optimizer``: torch's, DeepSpeed's mixed-precision or ZeRO-1/2 wrapper)'s state as
     CPU tensors and plain data (DeepSpeed's objects as `checkpoint.deepspeed_plain` writes them): what

@@ -117,7 +117,14 @@ def merge_rank_rows(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     if all("skipped" in r for r in rows):
         nonfinite = {k: v for k, v in rows[0].items() if k == "nonfinite_updates"}  # the same on every rank
         return {"skipped": 1.0, **nonfinite}
-    shared = ("denominator", "lr", "updates", "nonfinite_updates")  # the same on every rank
+    shared = (
+        "denominator",
+        "lr",
+        "updates",
+        "nonfinite_updates",
+        "grad_norm",
+        "clipped_updates",
+    )  # same on all
     out = {k: v for k, v in rows[0].items() if k in shared}
     for r in rows:
         for k, v in r.items():

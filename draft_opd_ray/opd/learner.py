@@ -38,6 +38,7 @@ from draft_opd_ray.optim import (
     build_engine,
     load_optimizer_state,
     optimizer_state,
+    step_with_grad_norm,
     trainable_parameters,
     update_lr_factor,
 )
@@ -150,6 +151,7 @@ class Learner:
             lr_lambda=lambda s: update_lr_factor(s, run.total_steps, optim.warmup_ratio, optim.schedule),
         )
         self.version = 0
+        self.grad_clip = optim.grad_clip
         self.to_student = student_vocabulary(self.student.draft_ids, self.device)
 
     def step(self, batch: Sequence[TeacherItem], mini_batches: int = 1) -> dict[str, float]:
@@ -177,7 +179,7 @@ class Learner:
         for r in done:
             for k, v in r.items():
                 out[k] = out.get(k, 0.0) + v
-        for k in ("loss", "denominator"):
+        for k in ("loss", "denominator", "grad_norm"):
             out[k] /= len(done)
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         out["updates"] = float(len(done))
@@ -283,9 +285,11 @@ class Learner:
             self.engine.optimizer.zero_grad(set_to_none=True)
             self.engine.zero_grad()
             return {"nonfinite": 1.0}
-        self.engine.step()
+        norm = step_with_grad_norm(self.engine)
         return {
             "loss": float(total.detach()),
+            "grad_norm": norm,
+            "clipped_updates": float(norm > self.grad_clip > 0),
             "anchors": float(sum(len(b.anchor_pos) for b in batch)),
             "denominator": global_den,
             "flops_draft_step": flops,

@@ -44,7 +44,7 @@ from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.flops import feature_pass_flops, target_forward_flops
 from draft_opd_ray.metrics import json_line
 from draft_opd_ray.models.target import TargetInfo, read_target_info
-from draft_opd_ray.optim import build_engine, lr_factor, trainable_parameters
+from draft_opd_ray.optim import build_engine, lr_factor, step_with_grad_norm, trainable_parameters
 from draft_opd_ray.sft.data import read_trajectories
 from draft_opd_ray.sft.features import (
     FeatureCache,
@@ -585,9 +585,9 @@ def _step(
     reduce: Reduce | None = _sum_over_ranks if ranks > 1 else None
     loss, m = recipe.loss(engine.module, batch, reduce=reduce)
     engine.backward(loss * ranks)  # DeepSpeed averages the ranks' gradients; the shares add up to the loss
-    engine.step()
+    norm = step_with_grad_norm(engine)
     values = all_reduce_sum([float(loss.detach()), *m.values()])
-    return values[0], dict(zip(m, values[1:])), whole
+    return values[0], {**dict(zip(m, values[1:])), "grad_norm": norm}, whole
 
 
 def _train(loop: Loop, budget: Budget, job: SFTJob, progress: bool) -> Path:

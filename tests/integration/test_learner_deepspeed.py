@@ -159,3 +159,32 @@ def test_replay_and_learner_take_their_cpu_share(replay_case) -> None:
         assert torch.get_num_threads() == max(1, cores // 2)
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_step_logs_the_gradient_norm_and_how_often_the_clip_fired(replay_case, dtype: str) -> None:
+    """`grad_norm` (the mean over the step's updates of the norm before clipping) and `clipped_updates` (updates
+    whose norm exceeded `optim.grad_clip`), in float32 (DeepSpeed keeps no norm there: the gradients' own) and
+    bfloat16 (DeepSpeed's): the norm equals the parameters' gradient norm taken before the step."""
+    import dataclasses
+
+    from draft_opd_ray.opd.learner import Learner, LearnerRun
+
+    c = replay_case
+    batch = c.replay("eagle3", c.eagle3).score([c.item])
+    draft, loss, optim, learner = learner_configs("eagle3", "full", dtype=dtype)
+    run = LearnerRun(str(c.eagle3), str(c.target), total_steps=10)
+    for clip, clipped in ((1e-6, 1.0), (1e9, 0.0)):
+        lrn = Learner(run, draft, loss, dataclasses.replace(optim, grad_clip=clip), learner)
+        seen: list[float] = []
+        step = lrn.engine.step
+
+        def spy(lrn: Any = lrn, seen: list[float] = seen, step: Any = step) -> None:
+            grads = [p.grad.float() for p in lrn.engine.module.parameters() if p.grad is not None]
+            seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            step()
+
+        lrn.engine.step = spy
+        out = lrn.step(batch)
+        assert out["updates"] == 1.0 and out["clipped_updates"] == clipped
+        assert out["grad_norm"] > 0 and out["grad_norm"] == pytest.approx(seen[0], rel=1e-2)
