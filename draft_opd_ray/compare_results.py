@@ -159,7 +159,8 @@ def _flops(values: list[float | None]) -> str:
     known = sorted({v for v in values if v is not None})
     if not known:
         return "-"
-    return f"{known[0]:.3g}" if len(known) == 1 else f"{known[0]:.3g}-{known[-1]:.3g}"
+    lo, hi = f"{known[0]:.3g}", f"{known[-1]:.3g}"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def _grid_size(prompts: int, seeds: list[Any]) -> str:
