@@ -157,11 +157,8 @@ def ratio(a: list[list[tuple[int, int]]], b: list[list[tuple[int, int]]]) -> tup
     return float(value), *pct(boot)
 
 
-# ------------------------------------------------------------------------------------------------ tests
-
-
-def test_printed_tables_equal_a_plain_computation(tmp_path: Path) -> None:
-    root = write_study(tmp_path / "results" / "toy")
+def compare_cli(root: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m draft_opd_ray.compare <root>` as a user runs it; it must succeed."""
     run = subprocess.run(
         [sys.executable, "-m", "draft_opd_ray.compare", str(root)],
         capture_output=True,
@@ -169,6 +166,15 @@ def test_printed_tables_equal_a_plain_computation(tmp_path: Path) -> None:
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_printed_tables_equal_a_plain_computation(tmp_path: Path) -> None:
+    root = write_study(tmp_path / "results" / "toy")
+    run = compare_cli(root)
     out = run.stdout
     v, m = VALIDATION, MTBENCH
     primary = comparison_row("opd − sft", "**primary**", grid(v["opd"], v["sft"]))
@@ -288,13 +294,7 @@ def test_the_primary_arm_meets_each_other_control(tmp_path: Path, monkeypatch: p
     ctrl = [[(10, 6), (8, 5), (12, 8), (9, 5), (11, 4)], [(10, 7), (8, 4), (12, 7), (9, 5), (11, 3)]]
     monkeypatch.setitem(VALIDATION, "ctrl", ctrl)
     root = write_study(tmp_path / "results" / "toy")
-    run = subprocess.run(
-        [sys.executable, "-m", "draft_opd_ray.compare", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
+    run = compare_cli(root)
     paired = "| 5 prompts × 2 seeds (unpaired seeds: [2]) |"  # opd and sft have a seed 2, ctrl has not
     for arm, against in (("opd", "ctrl"), ("ctrl", "sft")):
         row = comparison_row(
@@ -309,13 +309,7 @@ def test_one_seed_says_it_has_no_interval_over_seeds(tmp_path: Path, monkeypatch
     for arm in ("opd", "sft"):
         monkeypatch.setitem(VALIDATION, arm, VALIDATION[arm][:1])
     root = write_study(tmp_path / "results" / "toy")
-    run = subprocess.run(
-        [sys.executable, "-m", "draft_opd_ray.compare", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
+    run = compare_cli(root)
     headline = run.stdout.split("\n")[2]
     assert "(5 prompts × 1 seed)" in headline and "; one seed, so no interval over seeds." in headline
 
