@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from draft_opd_ray.wire import RequestRecord
+from draft_opd_ray.wire import ReplayItem, RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -414,3 +414,18 @@ def vllm_llm(path: str | os.PathLike[str], *, max_model_len: int, **kwargs: Any)
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+def anchor_subsets(item: ReplayItem) -> list[ReplayItem]:
+    """Four sequences of different sizes from one replay item (anchor subsets of the same answer)."""
+    picks = [[0, 1], [2], [3, 4], [0, 1, 2, 3, 4]]
+    return [
+        ReplayItem(
+            item.input_ids,
+            [item.anchor_pos[i] for i in p],
+            [item.drafted[i] for i in p],
+            [item.accepted[i] for i in p],
+            0,
+        )
+        for p in picks
+    ]

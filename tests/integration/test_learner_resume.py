@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from draft_opd_ray.config.schema import DraftConfig, LearnerConfig, LossConfig, OptimConfig
-from draft_opd_ray.wire import ReplayItem
+from tests.helpers import anchor_subsets
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -31,21 +31,6 @@ def ray_local() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, namespace="test_learner_resume")
     yield
     ray.shutdown()
-
-
-def _items(item: ReplayItem) -> list[ReplayItem]:
-    """Four sequences of different sizes from the case's one (anchor subsets of the same answer)."""
-    picks = [[0, 1], [2], [3, 4], [0, 1, 2, 3, 4]]
-    return [
-        ReplayItem(
-            item.input_ids,
-            [item.anchor_pos[i] for i in p],
-            [item.drafted[i] for i in p],
-            [item.accepted[i] for i in p],
-            0,
-        )
-        for p in picks
-    ]
 
 
 def _group(draft: Path, target: Path, zero_stage: int) -> Any:
@@ -78,7 +63,7 @@ def test_resume_continues_the_uninterrupted_run(
     from draft_opd_ray.loop.opd import save_checkpoint
 
     c = replay_case
-    teacher = c.replay("eagle3", c.eagle3).score(_items(c.item))
+    teacher = c.replay("eagle3", c.eagle3).score(anchor_subsets(c.item))
     run = _group(c.eagle3, c.target, zero_stage)
     _losses(run, teacher, BEFORE)
     ckpt = save_checkpoint(tmp_path, BEFORE, run)

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from draft_opd_ray.wire import ReplayItem
-from tests.helpers import learner_configs, replay_configs
+from tests.helpers import anchor_subsets, learner_configs, replay_configs
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -31,21 +30,6 @@ def ray_local() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, namespace="test_scale_equivalence")
     yield
     ray.shutdown()
-
-
-def _items(item: ReplayItem) -> list[ReplayItem]:
-    """Four sequences of different sizes from the case's one (anchor subsets of the same answer)."""
-    picks = [[0, 1], [2], [3, 4], [0, 1, 2, 3, 4]]
-    return [
-        ReplayItem(
-            item.input_ids,
-            [item.anchor_pos[i] for i in p],
-            [item.drafted[i] for i in p],
-            [item.accepted[i] for i in p],
-            0,
-        )
-        for p in picks
-    ]
 
 
 def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
@@ -75,7 +59,7 @@ def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:
 def test_two_by_two_equals_one_by_one(ray_local: None, replay_case: Any) -> None:
     import ray
 
-    items = _items(replay_case.item)
+    items = anchor_subsets(replay_case.item)
     one_replay, one_learner = _groups(replay_case, 1, 1)
     two_replay, two_learner = _groups(replay_case, 2, 2)
 
