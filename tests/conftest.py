@@ -32,6 +32,16 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def ray_local(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray cluster of two CPUs for one test module, in a namespace named after it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=request.module.__name__.rpartition(".")[2])
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def embedded_target() -> Path:
     """The converted embedded SmolLM2 target in the default cache (converted on first use, then reused)."""
     return ensure_embedded_target()

@@ -10,7 +10,6 @@ same ops in the same order on the same CPU; any difference would be a piece of s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,6 @@ from tests.helpers import anchor_subsets
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
 BEFORE, AFTER = 2, 2  # steps before the checkpoint, steps compared after it
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test_learner_resume")
-    yield
-    ray.shutdown()
 
 
 def _group(draft: Path, target: Path, zero_stage: int) -> Any:

@@ -5,7 +5,6 @@ one learner rank on each path, the same records."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,15 +14,6 @@ from draft_opd_ray.wire import ReplayItem, TeacherSummary
 from tests.helpers import learner_configs, replay_configs
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test_replay_refs")
-    yield
-    ray.shutdown()
 
 
 def _groups(case: Any) -> tuple[Any, Any]:

@@ -10,7 +10,6 @@ rounding)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,15 +20,6 @@ from tests.helpers import anchor_subsets, learner_configs, replay_configs
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
 LR = 1e-3
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test_scale_equivalence")
-    yield
-    ray.shutdown()
 
 
 def _groups(case: Any, replays: int, ranks: int) -> tuple[Any, Any]:

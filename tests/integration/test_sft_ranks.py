@@ -13,7 +13,6 @@ more than rounding: measured max 2.1e-6 on a CPU with AVX512/AMX kernels, under 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +55,6 @@ class Bundles:
         bundle = self.n if role == "rollout" else index
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         return {"num_cpus": 0.5, "scheduling_strategy": strategy}
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test_sft_ranks")
-    yield
-    ray.shutdown()
 
 
 def _config(tmp: Path, target: Path, ranks: int) -> Config:
