@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from draft_opd_ray.compare_results import compare_study, render_summary, study_number
+from draft_opd_ray.compare_results import compare_study, interval, render_summary, study_number
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO / "results" / "default_controls"
 RESULTS_MD = (REPO / "docs" / "results.md").read_text()
 README = (REPO / "README.md").read_text()
+BENCHMARKS = (REPO / "docs" / "benchmarks.md").read_text()
 
 # (set, name as compare prints it, the documents that quote it)
 QUOTED = [
@@ -86,3 +87,16 @@ def test_the_sensitivity_analysis_quoted_is_the_files(name: str) -> None:
     """results.md's numbers without the validation prompts that have a copy in the training data."""
     number = study_number(str(STUDY), "validation", name, exclude=COPIES)
     assert f"{name.replace('branch', 'warm start')} {number}" in " ".join(RESULTS_MD.split())
+
+
+def test_the_primary_endpoint_is_quoted_with_both_intervals_everywhere():
+    """The declared rule reads two intervals (prompts clustered, over seeds): the README, results.md and the P1
+    line quote both as the files give them, and P1 beside them."""
+    primary = next(
+        c for c in compare_study(STUDY)["sets"]["validation"]["comparisons"] if c["endpoint"] == "primary"
+    )
+    clustered = study_number(str(STUDY), "validation", "opd − sft")
+    over_seeds = interval(primary["seed_level"], "+.3f")
+    p1 = study_number(str(STUDY), "validation", "P1")
+    for doc in (RESULTS_MD, README, BENCHMARKS):
+        assert clustered in doc and over_seeds in doc and p1 in doc
