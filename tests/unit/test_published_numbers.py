@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from draft_opd_ray.compare_results import compare_study, interval, render_summary, study_number
+from draft_opd_ray.compare_results import (
+    compare_study,
+    comparison_cell,
+    interval,
+    ratio_cell,
+    render_summary,
+    study_number,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO / "results" / "default_controls"
@@ -92,11 +99,10 @@ def test_the_sensitivity_analysis_quoted_is_the_files(name: str) -> None:
 def test_the_primary_endpoint_is_quoted_with_both_intervals_everywhere():
     """The declared rule reads two intervals (prompts clustered, over seeds): the README, results.md and the P1
     line quote both as the files give them, and P1 beside them."""
-    primary = next(
-        c for c in compare_study(STUDY)["sets"]["validation"]["comparisons"] if c["endpoint"] == "primary"
-    )
-    clustered = study_number(str(STUDY), "validation", "opd − sft")
+    found = compare_study(STUDY)["sets"]["validation"]
+    primary = next(c for c in found["comparisons"] if c["endpoint"] == "primary")
+    clustered = comparison_cell(primary)
     over_seeds = interval(primary["seed_level"], "+.3f")
-    p1 = study_number(str(STUDY), "validation", "P1")
+    p1 = ratio_cell(next(r for r in found["ratios"] if r["endpoint"] == "primary"))
     for doc in (RESULTS_MD, README, BENCHMARKS):
         assert clustered in doc and over_seeds in doc and p1 in doc
