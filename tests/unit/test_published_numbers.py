@@ -106,3 +106,15 @@ def test_the_primary_endpoint_is_quoted_with_both_intervals_everywhere():
     p1 = ratio_cell(next(r for r in found["ratios"] if r["endpoint"] == "primary"))
     for doc in (RESULTS_MD, README, BENCHMARKS):
         assert clustered in doc and over_seeds in doc and p1 in doc
+
+
+@pytest.mark.parametrize("name", ["opd − sft_rollouts", "opd − sft_rollouts_soft"])
+def test_the_controls_verdict_is_quoted_with_both_intervals(name: str) -> None:
+    """C5's verdict reads the primary endpoint's two intervals for Draft-OPD minus each no-replay control: the README
+    and results.md quote both, on both sets, as the files give them."""
+    found = compare_study(STUDY)["sets"]
+    for set_name in ("validation", "mtbench"):
+        c = next(c for c in found[set_name]["comparisons"] if c["name"] == name)
+        for doc in (RESULTS_MD, README):
+            flat = " ".join(doc.split())
+            assert comparison_cell(c) in flat and interval(c["seed_level"], "+.3f") in flat, (set_name, name)
