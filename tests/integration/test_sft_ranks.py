@@ -10,10 +10,11 @@ Tolerance (float32). Two ranks add their gradients and their loss sums in anothe
 every metric reduced over the batch (losses, accuracies, the gradient norm: `REDUCED`) can differ in its last
 bits: float32 rounds at 6e-8 relative and 6 steps of training compound it, so those compare at rel 1e-5 (on a
 2-core AVX2-only CPU the step-1 gradient norm differed by 1 ulp, 0.6414687037 against 0.6414687634, and the
-largest relative difference over the 6 steps was 1.8e-7: the test prints it with -s). Counts, the step, the epoch and the learning rate (the same
-arithmetic on both layouts) compare exactly. Weights within 5e-6 (6 AdamW steps of lr 3e-3 move a weight by up to
-~2e-2; AdamW divides by the root of the squared gradients, so a near-zero gradient component can differ by more
-than rounding: measured max 2.1e-6 on a CPU with AVX512/AMX kernels, under 2e-6 on AVX2).
+largest relative difference over the 6 steps was 1.8e-7: the test prints it with -s). Counts, the step, the
+epoch and the learning rate (the same arithmetic on both layouts) compare exactly. Weights within 5e-6 (6 AdamW
+steps of lr 3e-3 move a weight by up to ~2e-2; AdamW divides by the root of the squared gradients, so a near-zero
+gradient component can differ by more than rounding: measured max 2.1e-6 on a CPU with AVX512/AMX kernels, under
+2e-6 on AVX2).
 """
 
 from __future__ import annotations
