@@ -101,7 +101,7 @@ def global_metrics_check(target, draft, prompts, args) -> tuple[str, dict]:
 
     from draft_opd_ray.rollout.engine import SCHEDULER, speculative_config
     from draft_opd_ray.rollout.vllm_ext import TRACE_KEY
-    from draft_opd_ray.sync.receiver import EXTENSION
+    from draft_opd_ray.rollout.worker_ext import EXTENSION
 
     llm = LLM(
         str(target),

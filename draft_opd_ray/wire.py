@@ -2,6 +2,8 @@
 
     RequestRecord   rollout worker -> driver: one request's anchor records (below; Parquet I/O and τ in
                     `rollout/records.py`)
+    CapturedSteps   the same request's steps as the verification pass scored them: the teacher's top-k at every
+                    drafted and bonus row (`rollout/verify_capture.py`, `teacher.source=verify`)
     ReplayItem      driver -> replay actor: one committed sequence and its selected anchors (recorded blocks)
     TeacherItem     replay actor -> learner: the same sequence scored by the target (features, teacher log-probs,
                     acceptance recomputed), in the draft's vocabulary; it goes from the replay actor's node to
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # ------------------------------------------------------------------------------------------ rollout -> driver
@@ -54,6 +57,8 @@ class RequestRecord:
     # vLLM's own per-request spec-decode counters for the same request (-1 when not from vLLM)
     vllm_steps: int = -1
     vllm_accepted: int = -1
+    # the teacher captured in the verification pass (`teacher.source=verify`), None when not captured
+    captured: CapturedSteps | None = None
 
     @property
     def num_steps(self) -> int:
@@ -62,6 +67,31 @@ class RequestRecord:
     def committed_by_steps(self) -> int:
         """Response tokens the steps account for, prefill token included."""
         return 1 + sum(a + 1 for a in self.accepted) if self.response_ids else 0
+
+
+@dataclass
+class CapturedSteps:
+    """One request's verification steps as the target scored them (S steps, K = the longest block, k = top-k).
+
+    anchor_pos[i]: index in prompt + response of the last committed token before block i;
+    drafted[i]: the K'_i drafted ids; accepted[i]: how many of them the sampler accepted;
+    topk_ids / topk_logprobs (S, K + 1, k): the teacher's top-k at rows 0..K'_i (row K'_i is the bonus position;
+    rows beyond K'_i are padding, ids 0 and log-probs -inf); log_tail (S, K + 1): log of the mass outside the top-k,
+    summed in log space (-inf on padding). Ids are in `vocab` (the draft's vocabulary when the capture was given
+    one: EAGLE-3's d2t target ids, log-probs renormalised over it; else the target's).
+    """
+
+    anchor_pos: list[int]
+    drafted: list[list[int]]
+    accepted: list[int]
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    log_tail: np.ndarray
+    grammar: bool = False  # a grammar bitmask had masked these logits before the sampler saw them
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted)
 
 
 def consistency_error(rec: RequestRecord) -> str | None:

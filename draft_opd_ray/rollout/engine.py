@@ -25,10 +25,10 @@ from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.rollout.worker_ext import EXTENSION
 from draft_opd_ray.sync import receiver as receiving
-from draft_opd_ray.sync.receiver import EXTENSION
 from draft_opd_ray.sync.refit import RefitAck
-from draft_opd_ray.wire import RequestRecord
+from draft_opd_ray.wire import CapturedSteps, RequestRecord
 
 SCHEDULER = "draft_opd_ray.rollout.vllm_ext.AnchorRecordingScheduler"
 BASELINES = ("none", "ngram")  # methods that are not a trained draft: plain decoding, prompt lookup
@@ -114,7 +114,12 @@ def _engine_kwargs(
     if spec is not None:
         kwargs["speculative_config"] = spec
         kwargs["per_request_spec_decode_metrics"] = "detailed"
-        if record:
+        if run.capture_topk is not None:
+            # the worker records (verify-pass capture): vLLM's scheduling stays as it is, async on CUDA; a
+            # prefix-cache hit computes no rows to capture, so recording engines compute every prompt
+            kwargs["worker_extension_cls"] = EXTENSION
+            kwargs["enable_prefix_caching"] = False
+        elif record:
             kwargs["scheduler_cls"] = SCHEDULER
             # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);
             # not recording (eval speed runs, serving) keeps vLLM's default, async on CUDA
@@ -141,7 +146,10 @@ class EngineRun:
     ``tensor_parallel_size``); ``weight_transfer``: a vLLM weight-transfer backend ("nccl") to receive draft
     weights through (`sync/nccl.py`), None: files only; ``dtype``: the precision a stage serves the target in
     when it is not `target.dtype` (the SFT answers: `sft.trajectory_dtype`); ``auto`` = `device.resolve_dtype` on
-    the engine's node."""
+    the engine's node; ``capture_topk``: record in the workers instead (`rollout/verify_capture.py`, no scheduler
+    subclass, vLLM's scheduling as it is) and keep the verification pass's teacher top-``capture_topk`` of every
+    step on each record (`RequestRecord.captured`), over ``capture_vocab`` (the draft's vocabulary as target ids)
+    when given."""
 
     target: str | Path
     draft_kind: str
@@ -152,6 +160,8 @@ class EngineRun:
     tensor_parallel: int = 1
     weight_transfer: str | None = None
     dtype: str | None = None
+    capture_topk: int | None = None
+    capture_vocab: tuple[int, ...] | None = None
 
 
 class SpecDecodeEngine:
@@ -191,6 +201,26 @@ class SpecDecodeEngine:
                 **kwargs,
             )
         self.version = 0
+        self.capture = self.record and run.capture_topk is not None
+        if self.capture:
+            self._install_capture(run.capture_topk or 1, run.capture_vocab)
+
+    def _install_capture(self, topk: int, vocab: tuple[int, ...] | None) -> None:
+        from draft_opd_ray.rollout.support import vllm_version
+        from draft_opd_ray.rollout.verify_capture import TESTED_VLLM
+
+        runner = self.llm.collective_rpc("install_verify_capture", args=(topk, vocab))[0]
+        version = vllm_version() or "vLLM (unknown version)"
+        if not version.endswith(f" {TESTED_VLLM}"):
+            print(
+                f"[engine] warning: verify-pass capture was tested on vLLM {TESTED_VLLM}, this is {version}: "
+                "check_teacher tells whether its teacher still equals the replay's",
+                flush=True,
+            )
+        print(
+            f"[engine] verify-pass capture on {runner}: teacher top-{topk} at every verification step",
+            flush=True,
+        )
 
     # ------------------------------------------------------------------------------------------ generation
 
@@ -233,11 +263,19 @@ class SpecDecodeEngine:
             outs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in ok], params, use_tqdm=False
             )
+            captured = self._take_capture() if self.capture else {}
             for rec, out in zip(ok, outs):
-                self._fill(rec, out)
+                self._fill(rec, out, captured.get(out.request_id))
         return records
 
-    def _fill(self, rec: RequestRecord, out: Any) -> None:
+    def _take_capture(self) -> dict[str, CapturedSteps]:
+        """The steps the workers captured, by the request ids `LLM.generate` returns (rank 0's copy)."""
+        from draft_opd_ray.rollout.verify_capture import decode, external_id
+
+        taken = self.llm.collective_rpc("take_verify_capture")[0]
+        return {external_id(rid): decode(d) for rid, d in taken.items()}
+
+    def _fill(self, rec: RequestRecord, out: Any, captured: CapturedSteps | None = None) -> None:
         from draft_opd_ray.rollout.vllm_ext import TRACE_KEY
 
         comp = out.outputs[0]
@@ -248,6 +286,15 @@ class SpecDecodeEngine:
             d = m.to_dict()
             rec.vllm_steps = int(d["num_spec_steps"])
             rec.vllm_accepted = int(d["num_accepted_draft_tokens"])
+        if self.capture:
+            rec.captured = captured
+            if captured is not None:
+                rec.anchor_pos = list(captured.anchor_pos)
+                rec.drafted = [list(d) for d in captured.drafted]
+                rec.accepted = list(captured.accepted)
+                rec.policy_version = [self.version] * captured.num_steps
+                rec.teacher_logprob_drafted = [[] for _ in captured.accepted]
+            return
         steps = (out.kv_transfer_params or {}).get(TRACE_KEY, []) if self.record else []
         base = len(rec.prompt_ids)
         for before, drafted, accepted, lp in steps:
