@@ -37,9 +37,12 @@ def test_wire_is_the_bottom_floor() -> None:
 
 
 def test_worker_extension_path_names_the_receiver() -> None:
-    """`worker_extension_cls` is a qualified name vLLM imports in each worker process."""
+    """`worker_extension_cls` is a qualified name vLLM imports in each worker process: the rollout engines' extension,
+    the weight receiver plus the verify-pass capture's two calls."""
     from draft_opd_ray.rollout.engine import EXTENSION
     from draft_opd_ray.sync.receiver import DraftWeightExtension
 
     module, _, name = EXTENSION.rpartition(".")
-    assert getattr(importlib.import_module(module), name) is DraftWeightExtension
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, DraftWeightExtension)
+    assert callable(cls.install_verify_capture) and callable(cls.take_verify_capture)
