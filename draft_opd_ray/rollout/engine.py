@@ -115,10 +115,10 @@ def _engine_kwargs(
         kwargs["speculative_config"] = spec
         kwargs["per_request_spec_decode_metrics"] = "detailed"
         if run.capture_topk is not None:
-            # the worker records (verify-pass capture): vLLM's scheduling stays as it is, async on CUDA; a
-            # prefix-cache hit computes no rows to capture, so recording engines compute every prompt
+            # the worker records (verify-pass capture): vLLM's scheduling stays as it is, async on CUDA. Prefix
+            # caching stays on: the teacher rows are verification rows, which every step computes (a prefix-cache
+            # hit skips prompt rows only, which the capture does not read)
             kwargs["worker_extension_cls"] = EXTENSION
-            kwargs["enable_prefix_caching"] = False
         elif record:
             kwargs["scheduler_cls"] = SCHEDULER
             # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);

@@ -151,14 +151,14 @@ def test_worker_request_ids_map_back_to_the_callers() -> None:
 
 
 def test_a_capturing_engine_keeps_vllms_scheduling() -> None:
-    """A recording engine with capture has no scheduler subclass and leaves async scheduling as vLLM chooses (on
-    CUDA: on); it carries the worker extension and computes every prompt (no prefix-cache hits without rows)."""
+    """A recording engine with capture has no scheduler subclass and leaves async scheduling and prefix caching as
+    vLLM chooses (on CUDA: async on); it carries the worker extension."""
     from draft_opd_ray.rollout.engine import EngineRun, _engine_kwargs
     from draft_opd_ray.rollout.worker_ext import EXTENSION
 
     spec = {"method": "eagle3", "model": "d", "num_speculative_tokens": 4}
     kw = _engine_kwargs(spec, True, True, EngineRun("t", "eagle3", "d", capture_topk=16))
     assert "scheduler_cls" not in kw and "async_scheduling" not in kw
-    assert kw["worker_extension_cls"] == EXTENSION and kw["enable_prefix_caching"] is False
+    assert kw["worker_extension_cls"] == EXTENSION and "enable_prefix_caching" not in kw
     old = _engine_kwargs(spec, True, True, EngineRun("t", "eagle3", "d"))
     assert old["async_scheduling"] is False and "scheduler_cls" in old
