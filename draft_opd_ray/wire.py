@@ -3,7 +3,7 @@
     RequestRecord   rollout worker -> driver: one request's anchor records (below; Parquet I/O and τ in
                     `rollout/records.py`)
     CapturedSteps   the same request's steps as the verification pass scored them: the teacher's top-k at every
-                    drafted and bonus row (`rollout/verify_capture.py`, `teacher.source=verify`)
+                    drafted and bonus row (`rollout/verify_capture.py`, `EngineRun.capture_topk`)
     ReplayItem      driver -> replay actor: one committed sequence and its selected anchors (recorded blocks)
     TeacherItem     replay actor -> learner: the same sequence scored by the target (features, teacher log-probs,
                     acceptance recomputed), in the draft's vocabulary; it goes from the replay actor's node to
@@ -57,7 +57,7 @@ class RequestRecord:
     # vLLM's own per-request spec-decode counters for the same request (-1 when not from vLLM)
     vllm_steps: int = -1
     vllm_accepted: int = -1
-    # the teacher captured in the verification pass (`teacher.source=verify`), None when not captured
+    # the teacher captured in the verification pass (`EngineRun.capture_topk`), None when not captured
     captured: CapturedSteps | None = None
 
     @property

@@ -202,8 +202,8 @@ class SpecDecodeEngine:
             )
         self.version = 0
         self.capture = self.record and run.capture_topk is not None
-        if self.capture:
-            self._install_capture(run.capture_topk or 1, run.capture_vocab)
+        if self.capture and run.capture_topk is not None:
+            self._install_capture(run.capture_topk, run.capture_vocab)
 
     def _install_capture(self, topk: int, vocab: tuple[int, ...] | None) -> None:
         from draft_opd_ray.rollout.support import vllm_version
