@@ -12,7 +12,11 @@ k = 1..K' of every step (rows 0..K'-1 of the verification pass):
 * max |Δ log-prob| at the captured ids (≤ ``check.tolerance``, default 1e-4, which float32 meets) and the log of
   the mass outside the top-k, each in the draft's vocabulary (EAGLE-3: its d2t ids, renormalised);
 * the target's feature rows of a feature-conditioned draft: not captured yet, reported as null with
-  ``features_captured: false``.
+  ``features_captured: false``;
+* what the captured top-k leaves out of the draft's own distribution q at the same positions (the draft's top-m,
+  m = ``check.draft_topm``, default `loss.draft_topm`, which `teacher.source=verify` cannot use): the mean q mass
+  on the draft's top-m (``draft_topm_mass``), on those of its top-m ids outside the teacher's top-k
+  (``draft_topm_outside_topk``), and on every id outside the teacher's top-k (``draft_mass_outside_topk``).
 
 Options (Hydra-style ``key=value``, beside `main`'s overrides): ``check.prompts.*`` a prompt set as `data.eval`
 takes it (default: 8 MT-Bench questions; ``check.prompts.source=jsonl check.prompts.path=FILE
@@ -58,6 +62,7 @@ class CheckOptions:
     dtype: str = "float32"  # float32 | bfloat16: the rollout engine's and the replay's target precision
     topk: int | None = None  # None: teacher.topk
     tolerance: float = 1e-4
+    draft_topm: int | None = None  # None: loss.draft_topm (16 when that is 0)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -66,6 +71,8 @@ class CheckOptions:
             raise ConfigError(f"check.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if self.topk is not None and self.topk < 1:
             raise ConfigError(f"check.topk: must be >= 1, got {self.topk}")
+        if self.draft_topm is not None and self.draft_topm < 1:
+            raise ConfigError(f"check.draft_topm: must be >= 1, got {self.draft_topm}")
         self.prompts.check("check.prompts")
 
 
@@ -155,6 +162,36 @@ def compare(
             out.topk_mismatches += _topk_mismatches(lp, ids, tolerance)
             out.positions += have
     return out
+
+
+@torch.no_grad()
+def draft_mass(student: Any, replayed: Sequence[TeacherItem], k: int, m: int) -> dict[str, float]:
+    """Means over every scored drafted position of the draft's own q (`Student.block_hidden` x `lm_head`, its
+    vocabulary, as the learner computes it): its mass on its own top ``m``, on those top-``m`` ids outside the
+    teacher's top ``k``, and on every id outside the teacher's top ``k`` (what the verify source's topk
+    estimator sees only as the tail)."""
+    top_m = outside_m = outside = 0.0
+    n = 0
+    for item in replayed:
+        assert item.teacher_logprobs is not None
+        hidden = student.block_hidden(item.to("cpu"))  # (N, K, H)
+        for j, v in enumerate(item.valid_len.tolist()):
+            if v == 0:
+                continue
+            q = torch.softmax((hidden[j, :v] @ student.lm_head.T).float(), -1)  # (v, Vd)
+            in_teacher = torch.zeros_like(q, dtype=torch.bool)
+            in_teacher.scatter_(-1, item.teacher_logprobs[j, :v].topk(k, dim=-1).indices, True)
+            qm, ids = q.topk(min(m, q.shape[-1]), dim=-1)
+            top_m += float(qm.sum())
+            outside_m += float((qm * ~in_teacher.gather(-1, ids)).sum())
+            outside += float((q * ~in_teacher).sum())
+            n += v
+    n = max(n, 1)
+    return {
+        "draft_topm_mass": top_m / n,
+        "draft_topm_outside_topk": outside_m / n,
+        "draft_mass_outside_topk": outside / n,
+    }
 
 
 def _topk_mismatches(lp: torch.Tensor, ids: torch.Tensor, tolerance: float) -> int:
@@ -254,7 +291,7 @@ def _check(
         engine.shutdown()
     print(f"[check] {len(records)} requests rolled out with capture; replaying them", flush=True)
     replay = ReplayActor(
-        ReplayRun(target, [], draft_ids),
+        ReplayRun(target, features, draft_ids),  # the features: the draft's own q at the same positions
         cfg.draft,
         TeacherConfig(dtype=opts.dtype, topk=None),
         LossConfig(estimator="full"),
@@ -265,8 +302,13 @@ def _check(
         [ReplayItem(r.prompt_ids + r.response_ids, r.anchor_pos, r.drafted, r.accepted, 0) for r in ran]
     )
     c = compare(ran, items, opts.tolerance)
+    m = opts.draft_topm or cfg.loss.draft_topm or 16
+    student = kind.student(draft, target)
+    student.model.eval()
     return {
         **dataclasses.asdict(c),
+        **draft_mass(student, items, topk, m),
+        "draft_topm": m,
         "max_abs_feature_diff": None,
         "features_captured": False,
         "feature_conditioned": bool(features),

@@ -41,6 +41,12 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
         f"estimator {cfg.loss.estimator}; anchors: {cfg.anchor.policy}; async max_staleness "
         f"{cfg.async_.max_staleness}",
     ]
+    if "opd" in cfg.stages:
+        from draft_opd_ray.drafts.registry import draft_kind
+        from draft_opd_ray.opd.source import describe_source
+
+        features = draft_kind(d.kind).feature_conditioned
+        head.append(describe_source(cfg.teacher, cfg.loss, cfg.replay, features))
     return "\n".join(head) + "\n" + plan.render()
 
 

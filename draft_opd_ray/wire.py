@@ -93,6 +93,19 @@ class CapturedSteps:
     def num_steps(self) -> int:
         return len(self.accepted)
 
+    def select(self, steps: Sequence[int]) -> CapturedSteps:
+        """The same request's captured teacher at ``steps`` only (the selected anchors, in that order)."""
+        idx = np.asarray(list(steps), dtype=np.int64)
+        return CapturedSteps(
+            [self.anchor_pos[i] for i in idx],
+            [list(self.drafted[i]) for i in idx],
+            [self.accepted[i] for i in idx],
+            self.topk_ids[idx],
+            self.topk_logprobs[idx],
+            self.log_tail[idx],
+            self.grammar,
+        )
+
 
 def consistency_error(rec: RequestRecord) -> str | None:
     """Why a record breaks the invariants in the module docstring, or None if it is consistent."""
@@ -133,6 +146,9 @@ class ReplayItem:
     drafted: list[list[int]]  # (N, K') recorded drafted target ids
     accepted: list[int]  # (N,) recorded acceptance
     policy_version: int
+    # `teacher.source=verify`: the verification pass's teacher at these anchors (`CapturedSteps.select`, the same
+    # steps in the same order); the replay then runs no teacher forward (`captured_teacher`)
+    captured: CapturedSteps | None = None
 
 
 @dataclass
@@ -158,6 +174,9 @@ class TeacherItem:
     # full draft-vocabulary teacher: exact where 1 - sum(p over the support) cancels to 0 in float32
     teacher_log_tail: torch.Tensor | None = None  # (N, K)
     replay_draft_flops: float = 0.0  # the replay's draft forward that found draft_topm_ids (training compute)
+    # the teacher came from the rollout's verification pass (`captured_teacher`): the replay's target ran, if at
+    # all, over the committed sequence only, for the features
+    teacher_captured: bool = False
 
     def to(self, device: torch.device | str) -> TeacherItem:
         """The same item with every tensor on ``device`` (a no-op where they already are)."""
@@ -170,7 +189,9 @@ class TeacherItem:
 
     def scored_tokens(self) -> int:
         """Tokens the replay forward scored: the sequence plus every anchor's branch (what a replay actor's or
-        learner rank's share is balanced by)."""
+        learner rank's share is balanced by). A captured teacher scored no branch: the sequence only."""
+        if self.teacher_captured:
+            return len(self.input_ids)
         branch = (self.valid_len - self.accepted - 1).clamp(min=0)
         return int(len(self.input_ids) + branch.sum())
 
@@ -184,14 +205,16 @@ class TeacherSummary:
     anchors: int  # N
     learner_cost: int  # `learner_cost`
     scored_tokens: int  # `TeacherItem.scored_tokens`
-    target_ran: bool  # the replay ran the target (not for a standalone draft's sft_on_rollouts)
+    # the replay ran the target (not for a standalone draft's sft_on_rollouts, nor for its captured teacher)
+    target_ran: bool
     agree: int  # anchors whose greedy acceptance under replay equals the recorded one
     payload_bytes: int  # `payload_bytes`
     draft_flops: float = 0.0  # `TeacherItem.replay_draft_flops`
 
     @staticmethod
     def of(t: TeacherItem) -> TeacherSummary:
-        ran = t.teacher_logprobs is not None or t.teacher_topk_ids is not None or t.features.numel() > 0
+        teacher = t.teacher_logprobs is not None or t.teacher_topk_ids is not None
+        ran = (teacher and not t.teacher_captured) or t.features.numel() > 0
         agree = int((t.accepted == t.replay_accepted).sum())
         return TeacherSummary(
             len(t.anchor_pos),
@@ -202,6 +225,34 @@ class TeacherSummary:
             payload_bytes(t),
             t.replay_draft_flops,
         )
+
+
+def captured_teacher(
+    cap: CapturedSteps, num_speculative_tokens: int, topk: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """(topk_ids, topk_logprobs, log_tail, valid_len) of `TeacherItem` from the verification pass's rows of the
+    selected steps: block position k = 1..K' of step i is verify row k-1 (the target at x_{<=n} y_{<k}, the
+    rejected suffix included); the bonus row K' has no block position and is not used. Every drafted position
+    has a teacher, also where the length cap cut the committed sequence short (the verification saw the block).
+    ``topk`` below the captured width keeps the first ``topk`` (the capture is sorted) and folds the rest into
+    the tail, in log space."""
+    K = num_speculative_tokens
+    kc = cap.topk_ids.shape[-1]
+    k = kc if topk is None else min(topk, kc)
+    ids_np = np.asarray(cap.topk_ids, dtype=np.int64)
+    lps_np = np.asarray(cap.topk_logprobs, dtype=np.float32)
+    N = len(cap.accepted)
+    ids = torch.zeros(N, K, k, dtype=torch.long)
+    lps = torch.full((N, K, k), -torch.inf)
+    tail = torch.full((N, K), -torch.inf)
+    valid = torch.tensor([min(len(y), K) for y in cap.drafted], dtype=torch.long)
+    for i, v in enumerate(valid.tolist()):
+        ids[i, :v] = torch.from_numpy(ids_np[i, :v, :k])
+        vals = torch.from_numpy(lps_np[i, :v])
+        lps[i, :v] = vals[:, :k]
+        t = torch.from_numpy(np.asarray(cap.log_tail[i, :v], dtype=np.float32))
+        tail[i, :v] = torch.cat([t[:, None], vals[:, k:]], -1).logsumexp(-1) if k < kc else t
+    return ids, lps, tail, valid
 
 
 def payload_bytes(t: TeacherItem) -> int:

@@ -39,15 +39,16 @@ def replay_configs(
     teacher: bool = True,
     mode: str = "recorded",
     draft_topm: int = 0,
+    source: str = "replay",
 ) -> tuple[Any, Any, Any, Any]:
     """(draft, teacher, loss, replay) configs of a replay actor, from the payload it ships: "full" (teacher.topk
     null) or "topk" (the top ``topk``); ``teacher=False`` is `loss.objective=sft_on_rollouts`; ``draft_topm`` is
-    `loss.draft_topm` (used with the topk payload)."""
+    `loss.draft_topm` (used with the topk payload and the replay's teacher); ``source`` is `teacher.source`."""
     from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 
     return (
         DraftConfig(kind=kind, num_speculative_tokens=num_speculative_tokens),
-        TeacherConfig(dtype=dtype, topk=None if payload == "full" else topk),
+        TeacherConfig(dtype=dtype, topk=None if payload == "full" else topk, source=source),
         LossConfig(objective="opd" if teacher else "sft_on_rollouts", draft_topm=draft_topm),
         ReplayConfig(mode=mode),
     )

@@ -282,9 +282,14 @@ class TeacherConfig:
     # the teacher's top-k over the draft vocabulary (SFT's soft labels; Draft-OPD's loss.estimator=topk);
     # null = the whole draft vocabulary (loss.estimator=full or token; SFT then caches Vd values per token)
     topk: int | None = 16
+    # Draft-OPD's teacher: verify = the rows the rollouts' verification pass computed (no second target forward
+    # for the teacher; applies to the topk estimator on recorded blocks), replay = a target forward over the
+    # draft's blocks; `opd.source.teacher_source` resolves it and says why
+    source: str = "verify"
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, "teacher.dtype", ("auto", "float32", "bfloat16", "float16"))
+        _one_of(self.source, "teacher.source", ("verify", "replay"))
         _check(self.topk is None or self.topk >= 1, "teacher.topk", f"must be >= 1 or null, got {self.topk}")
 
     def kept(self, vocab: int) -> int:

@@ -277,6 +277,7 @@ def _rollout_workers(
     ncores = os.cpu_count() or 1
     c = cfg.cluster
     nccl = plan_weight_sync(cfg.rollout.weight_sync, plan) == "nccl"
+    topk, vocab = capture_settings(cfg, target, draft_dir)
 
     def run(s: ActorSlot) -> EngineRun:
         return EngineRun(
@@ -287,6 +288,8 @@ def _rollout_workers(
             cpu_bind=str(s.index % ncores) if cpu else None,
             tensor_parallel=len(s.gpus) or 1,
             weight_transfer="nccl" if nccl else None,
+            capture_topk=topk,
+            capture_vocab=vocab,
         )
 
     return [
@@ -297,12 +300,24 @@ def _rollout_workers(
     ]
 
 
+def capture_settings(cfg: Config, target: str, draft_dir: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(top-k, vocabulary as target ids) the rollout engines capture the verification pass's teacher with where
+    `teacher.source` resolves to verify (`opd.source`), else (None, None): no capture, the scheduler records."""
+    from draft_opd_ray.drafts.registry import draft_kind
+    from draft_opd_ray.opd.source import teacher_source
+
+    if not teacher_source(cfg.teacher, cfg.loss, cfg.replay).verify:
+        return None, None
+    _, draft_ids = draft_kind(cfg.draft.kind).replay_needs(draft_dir, target)
+    return cfg.teacher.topk, tuple(draft_ids) if draft_ids is not None else None
+
+
 def replay_holds_draft(cfg: Config) -> bool:
     """Whether the replay actors hold a copy of the current draft (a weight receiver): to redraft the blocks, or
     to find the draft's own top-m ids (`opd.replay.replay_draft_topm`)."""
     from draft_opd_ray.opd.replay import replay_draft_topm
 
-    return cfg.replay.mode == "redraft" or replay_draft_topm(cfg.loss, cfg.teacher) > 0
+    return cfg.replay.mode == "redraft" or replay_draft_topm(cfg.loss, cfg.teacher, cfg.replay) > 0
 
 
 def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, int] | None:

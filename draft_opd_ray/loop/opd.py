@@ -69,6 +69,9 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
         if not group_l:
             continue
         r = records[q]
+        captured = None  # the verification pass's teacher at these steps (`teacher.source=verify`)
+        if r.captured is not None and not redraft:
+            captured = r.captured.select([g.step for g in group_l])
         items.append(
             ReplayItem(
                 r.prompt_ids + r.response_ids,
@@ -76,6 +79,7 @@ def replay_items(records: Sequence[RequestRecord], cfg: Config, seed: int) -> li
                 [list(g.drafted) for g in group_l],  # redraft replaces them
                 [max(0, g.accepted) for g in group_l],
                 max(0, group_l[0].policy_version),
+                captured,
             )
         )
     return items
@@ -131,7 +135,8 @@ def save_checkpoint(
             learner.rank0.save.remote(str(tmp / "draft")), f"learner rank 0: save checkpoint step_{step}"
         )
         for j, got in enumerate(ready):
-            write_parquet(got, tmp / "rounds" / f"round_{j:03d}.parquet")
+            # with their captured teacher: the resumed step trains on it as the uninterrupted one would
+            write_parquet(got, tmp / "rounds" / f"round_{j:03d}.parquet", captured=True)
         saved = {
             "step": step,
             "version": state.version if state is not None else step,
@@ -516,6 +521,8 @@ def _one_step(
         step_s=round(time.time() - t0, 2),
         replay_accept_agree=sum(t.agree for t in summaries) / max(1, sum(t.anchors for t in summaries)),
         replay_payload_mb=round(sum(t.payload_bytes for t in summaries) / 2**20, 3),
+        # sequences whose teacher came from the verification pass (`teacher.source=verify`), not a replay forward
+        teacher_captured=sum(it.captured is not None for it in items) / len(items),
         learner_world_size=actors.world_size,
         records=len(records),
         rollout_restarts=rounds.restarts,

@@ -31,7 +31,7 @@ from draft_opd_ray.algo.loss import teacher_log_tail
 from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.sync.refit import RefitAck
-from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, pack_branches
+from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, captured_teacher, pack_branches
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,13 @@ class ReplayRun:
     cpu_share: tuple[int, int] | None = None
 
 
-def replay_draft_topm(loss: LossConfig, teacher: TeacherConfig) -> int:
-    """`loss.draft_topm` where it is used: Draft-OPD's topk estimator (the controls train on committed tokens)."""
+def replay_draft_topm(loss: LossConfig, teacher: TeacherConfig, replay: ReplayConfig) -> int:
+    """`loss.draft_topm` where it is used: Draft-OPD's topk estimator with the replay's teacher (the controls train
+    on committed tokens; the verification pass's teacher has no value at ids it did not rank, `opd.source`)."""
+    from draft_opd_ray.opd.source import teacher_source
+
     used = loss.objective == "opd" and loss.estimator == "topk" and teacher.topk is not None
-    return loss.draft_topm if used else 0
+    return loss.draft_topm if used and not teacher_source(teacher, loss, replay).verify else 0
 
 
 class ReplayActor:
@@ -78,7 +81,9 @@ class ReplayActor:
         self.payload = "full" if teacher.topk is None else "topk"
         self.topk, self.mode = teacher.topk or 1, replay.mode
         self.teacher = loss.objective != "sft_on_rollouts"
-        self.draft_topm = replay_draft_topm(loss, teacher) if self.payload == "topk" and self.teacher else 0
+        self.draft_topm = (
+            replay_draft_topm(loss, teacher, replay) if self.payload == "topk" and self.teacher else 0
+        )
         self.student = None
         self.draft_version = 0
         self.device = actor_device()
@@ -100,14 +105,30 @@ class ReplayActor:
         elif run.num_threads:
             torch.set_num_threads(run.num_threads)
         # `auto` is resolved here: this node's hardware decides, not the driver's
-        dtype = getattr(torch, resolve_dtype(teacher.dtype))
-        model = AutoModelForCausalLM.from_pretrained(run.target, dtype=dtype)
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.dtype = getattr(torch, resolve_dtype(teacher.dtype))
+        self.target = run.target
+        self._model: Any = None
         self.aux = list(run.aux_layer_ids)
+        # a captured teacher with no features to compute needs no target here (`_from_capture`): load on first use
+        if not (teacher.source == "verify" and not self.aux and self.mode == "recorded"):
+            self._model = self._load_target(AutoModelForCausalLM)
         ids = run.draft_ids
         self.draft_ids = torch.tensor(list(ids), device=self.device) if ids is not None else None
         self.scored = 0  # sequences this actor has scored (its share: `ReplayGroup`)
         self.num_speculative_tokens = draft.num_speculative_tokens
+
+    def _load_target(self, auto: Any) -> Any:
+        model = auto.from_pretrained(self.target, dtype=self.dtype)
+        return model.to(self.device).eval()
+
+    @property
+    def model(self) -> Any:
+        """The target (loaded on first use where a captured teacher may make it unneeded)."""
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model = self._load_target(AutoModelForCausalLM)
+        return self._model
 
     @torch.no_grad()
     def score(self, items: Sequence[ReplayItem]) -> list[TeacherItem]:
@@ -195,9 +216,25 @@ class ReplayActor:
             ids, feats, torch.tensor(it.anchor_pos), drafted, valid, acc, acc, None, it.policy_version
         )
 
+    def _from_capture(self, it: ReplayItem) -> TeacherItem:
+        """The teacher the verification pass captured (`wire.captured_teacher`), the features from a target forward
+        over the committed sequence where the draft conditions on them (none for a standalone draft): no branch,
+        no teacher forward. The acceptance is the verification's own, so ``replay_accepted`` is ``accepted``."""
+        assert it.captured is not None
+        item = self._features_only(it)
+        ids, lps, tail, valid = captured_teacher(it.captured, self.num_speculative_tokens, self.topk)
+        item.valid_len = valid
+        item.accepted = torch.minimum(item.accepted, valid)
+        item.replay_accepted = item.accepted.clone()
+        item.teacher_topk_ids, item.teacher_topk_logprobs, item.teacher_log_tail = ids, lps, tail
+        item.teacher_captured = True
+        return item
+
     def _score_one(self, it: ReplayItem) -> TeacherItem:
         if not self.teacher:
             return self._features_only(it)
+        if it.captured is not None and self.payload == "topk" and self.mode == "recorded":
+            return self._from_capture(it)
         T, N, K = len(it.input_ids), len(it.anchor_pos), self.num_speculative_tokens
         packed = pack_branches(it, K)
         dev = self.device

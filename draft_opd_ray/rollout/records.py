@@ -7,12 +7,13 @@ which is how vLLM's spec-decode counters define it. Imports only numpy/pyarrow a
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from draft_opd_ray.wire import RequestRecord
+from draft_opd_ray.wire import CapturedSteps, RequestRecord
 
 
 def tau(records: Sequence[RequestRecord]) -> float:
@@ -64,15 +65,20 @@ def _schema():  # noqa: ANN202 - pyarrow imported lazily
     )
 
 
-def write_parquet(records: Sequence[RequestRecord], path: str | Path) -> Path:
-    """Write records atomically (temp file + rename): a reader never sees half a file."""
+def write_parquet(records: Sequence[RequestRecord], path: str | Path, *, captured: bool = False) -> Path:
+    """Write records atomically (temp file + rename): a reader never sees half a file. ``captured``: keep the
+    verification pass's teacher too (`RequestRecord.captured`, one binary cell per record; the rounds a checkpoint
+    holds in flight, not the per-step anchor files, where it would add ~660 bytes per step)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = _schema()
-    cols = {name: [getattr(r, name) for r in records] for name in schema.names}
+    cols: dict[str, list[object]] = {name: [getattr(r, name) for r in records] for name in schema.names}
+    if captured:
+        schema = schema.append(pa.field("captured", pa.binary()))
+        cols["captured"] = [_pack(r.captured) for r in records]
     table = pa.table(cols, schema=schema)
     tmp = path.with_suffix(path.suffix + ".tmp")
     pq.write_table(table, tmp)
@@ -85,4 +91,44 @@ def read_parquet(path: str | Path) -> list[RequestRecord]:
 
     rows = pq.read_table(path).to_pylist()
     names = set(_schema().names)
-    return [RequestRecord(**{k: v for k, v in row.items() if k in names}) for row in rows]
+    out = []
+    for row in rows:
+        rec = RequestRecord(**{k: v for k, v in row.items() if k in names})
+        rec.captured = _unpack(row.get("captured"))
+        out.append(rec)
+    return out
+
+
+def _pack(steps: CapturedSteps | None) -> bytes | None:
+    if steps is None:
+        return None
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        anchor_pos=np.asarray(steps.anchor_pos, dtype=np.int64),
+        accepted=np.asarray(steps.accepted, dtype=np.int64),
+        drafted_len=np.asarray([len(d) for d in steps.drafted], dtype=np.int64),
+        drafted=np.asarray([t for d in steps.drafted for t in d], dtype=np.int64),
+        topk_ids=steps.topk_ids,
+        topk_logprobs=steps.topk_logprobs,
+        log_tail=steps.log_tail,
+        grammar=np.asarray(steps.grammar),
+    )
+    return buf.getvalue()
+
+
+def _unpack(data: bytes | None) -> CapturedSteps | None:
+    if data is None:
+        return None
+    z = np.load(io.BytesIO(data))
+    flat, lens = z["drafted"].tolist(), z["drafted_len"].tolist()
+    starts = np.cumsum([0, *lens]).tolist()
+    return CapturedSteps(
+        z["anchor_pos"].tolist(),
+        [flat[a:b] for a, b in zip(starts, starts[1:])],
+        z["accepted"].tolist(),
+        z["topk_ids"],
+        z["topk_logprobs"],
+        z["log_tail"],
+        bool(z["grammar"]),
+    )

@@ -198,22 +198,29 @@ def test_non_finite_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_pat
         _count_nonfinite(c, state, nan, 4, tmp_path)
 
 
-def test_the_drafts_own_top_m_is_used_by_draft_opd_only_and_makes_the_replay_a_weight_receiver() -> None:
+def test_the_drafts_own_top_m_is_used_with_the_replays_teacher_only_and_makes_the_replay_a_weight_receiver() -> (
+    None
+):
+    """The default teacher is the verification pass's (`teacher.source=verify`): it ranked no other ids, so the
+    draft's own top-m is not used and the replay holds no draft. With the replay's teacher it is (Draft-OPD only)."""
     from draft_opd_ray.config.schema import Config
     from draft_opd_ray.loop.actors import replay_holds_draft
     from draft_opd_ray.opd.replay import replay_draft_topm
 
     cfg = Config()
-    assert (
-        cfg.loss.draft_topm == 16
-        and replay_draft_topm(cfg.loss, cfg.teacher) == 16
-        and replay_holds_draft(cfg)
-    )
+    assert cfg.loss.draft_topm == 16 and cfg.teacher.source == "verify"
+    assert replay_draft_topm(cfg.loss, cfg.teacher, cfg.replay) == 0 and not replay_holds_draft(cfg)
+    cfg.teacher.source = "replay"
+    assert replay_draft_topm(cfg.loss, cfg.teacher, cfg.replay) == 16 and replay_holds_draft(cfg)
     for key, value in (("objective", "sft_on_rollouts_soft"), ("objective", "sft_on_rollouts")):
         other = Config()
+        other.teacher.source = "replay"
         setattr(other.loss, key, value)
-        assert replay_draft_topm(other.loss, other.teacher) == 0 and not replay_holds_draft(other)
+        assert replay_draft_topm(other.loss, other.teacher, other.replay) == 0 and not replay_holds_draft(
+            other
+        )
     off = Config()
+    off.teacher.source = "replay"
     off.loss.draft_topm = 0
     assert not replay_holds_draft(off)
     off.replay.mode = "redraft"

@@ -65,3 +65,41 @@ def test_parquet_round_trip_is_lossless(tmp_path: Path) -> None:
     names = set(pq.read_schema(path).names)
     assert {"prompt_ids", "response_ids", "anchor_pos", "drafted", "accepted", "policy_version"} <= names
     assert not list(tmp_path.glob("anchors/*.tmp"))
+
+
+def test_parquet_keeps_the_captured_teacher_only_when_asked(tmp_path: Path) -> None:
+    """The rounds a checkpoint holds in flight keep their verification-pass teacher (a resumed step trains on it
+    as the uninterrupted one would); the per-step anchor files do not carry it."""
+    import numpy as np
+
+    from draft_opd_ray.wire import CapturedSteps
+
+    rng = random.Random(4)
+    recs = [synth(rng) for _ in range(3)]
+    g = np.random.default_rng(0)
+    for r in recs[:2]:
+        S, K = r.num_steps, max(len(d) for d in r.drafted)
+        r.captured = CapturedSteps(
+            list(r.anchor_pos),
+            [list(d) for d in r.drafted],
+            list(r.accepted),
+            g.integers(0, 50, (S, K + 1, 4)).astype(np.int32),
+            g.standard_normal((S, K + 1, 4)).astype(np.float32),
+            g.standard_normal((S, K + 1)).astype(np.float32),
+            grammar=bool(r is recs[1]),
+        )
+    back = read_parquet(write_parquet(recs, tmp_path / "rounds.parquet", captured=True))
+    assert back[2].captured is None
+    for r, b in zip(recs[:2], back[:2]):
+        assert r.captured is not None and b.captured is not None
+        assert (b.captured.anchor_pos, b.captured.drafted, b.captured.accepted, b.captured.grammar) == (
+            r.captured.anchor_pos,
+            r.captured.drafted,
+            r.captured.accepted,
+            r.captured.grammar,
+        )
+        for name in ("topk_ids", "topk_logprobs", "log_tail"):
+            got, want = getattr(b.captured, name), getattr(r.captured, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+    plain = read_parquet(write_parquet(recs, tmp_path / "anchors.parquet"))
+    assert all(r.captured is None for r in plain)

@@ -235,3 +235,69 @@ def test_sft_soft_labels_are_the_replays_teacher(replay_case, dtype: str) -> Non
     assert compared == sum(
         min(a + 1, c.num_speculative_tokens) for a in c.item.accepted
     )  # a block of K: at most K positions
+
+
+def _verification_pass(c, item: ReplayItem, k: int):  # noqa: ANN001, ANN202 - the test's own helper
+    """`CapturedSteps` as vLLM's verification computes them, naively: per step, one forward over x_{<=n} y whose
+    rows n..n+K' (drafted rows, then the bonus row) go through the capture's own `teacher_rows`."""
+    import numpy as np
+
+    from draft_opd_ray.rollout.verify_capture import teacher_rows
+    from draft_opd_ray.wire import CapturedSteps
+
+    ids, vals, tails = [], [], []
+    for n, y in zip(item.anchor_pos, item.drafted):
+        with torch.no_grad():
+            logits = c.model(torch.tensor([item.input_ids[: n + 1] + y])).logits[0, n:]
+        v, i, t = teacher_rows(logits, k, None)
+        ids.append(i.numpy())
+        vals.append(v.numpy())
+        tails.append(t.numpy())
+    return CapturedSteps(
+        list(item.anchor_pos),
+        [list(y) for y in item.drafted],
+        list(item.accepted),
+        np.stack(ids),
+        np.stack(vals),
+        np.stack(tails),
+    )
+
+
+def test_a_captured_teacher_is_the_replays_with_no_teacher_forward(replay_case) -> None:
+    """`teacher.source=verify`: verify row k-1 of a step is block position k's teacher, rejected suffix included.
+    The item built from captured rows (top-16, narrowed to the actor's top-8 with the rest folded into the tail)
+    equals the replay's packed forward at every drafted position; the replay's target ran over the committed
+    sequence only (the features), and for a draft with no features it never loads."""
+    from draft_opd_ray.wire import TeacherSummary
+
+    c = replay_case
+    K = c.num_speculative_tokens
+    cap = _verification_pass(c, c.item, 16)
+    captured = dataclasses.replace(c.item, captured=cap.select(range(len(c.item.anchor_pos))))
+    (want,) = replay_actor(c.target, [0, 1, 2], None, K, payload="topk", topk=8).score([c.item])
+    (got,) = replay_actor(c.target, [0, 1, 2], None, K, payload="topk", topk=8, source="verify").score(
+        [captured]
+    )
+    assert got.teacher_captured and not want.teacher_captured
+    assert torch.equal(got.valid_len, want.valid_len) and torch.equal(got.accepted, want.accepted)
+    assert torch.equal(got.teacher_topk_ids, want.teacher_topk_ids)
+    assert torch.allclose(got.teacher_topk_logprobs, want.teacher_topk_logprobs, atol=1e-4)
+    assert torch.allclose(got.teacher_log_tail, want.teacher_log_tail, atol=1e-4)
+    # the one forward the replay still runs (plain, where the replay packs the branches beside it)
+    assert torch.allclose(got.features, want.features, atol=1e-5)
+    s, w = TeacherSummary.of(got), TeacherSummary.of(want)
+    assert s.target_ran and s.scored_tokens == len(c.item.input_ids) < w.scored_tokens
+
+    bare = replay_actor(c.target, [], None, K, payload="topk", topk=8, source="verify")
+    (alone,) = bare.score([captured])
+    assert bare._model is None and not TeacherSummary.of(alone).target_ran
+    assert torch.equal(alone.teacher_topk_ids, want.teacher_topk_ids)
+
+
+def test_captured_steps_select_keeps_the_chosen_steps_in_order(replay_case) -> None:
+    c = replay_case
+    cap = _verification_pass(c, c.item, 4)
+    two = cap.select([3, 1])
+    assert two.anchor_pos == [c.item.anchor_pos[3], c.item.anchor_pos[1]]
+    assert two.accepted == [c.item.accepted[3], c.item.accepted[1]]
+    assert (two.topk_ids[0] == cap.topk_ids[3]).all() and (two.log_tail[1] == cap.log_tail[1]).all()

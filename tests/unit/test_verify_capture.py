@@ -264,3 +264,30 @@ def test_check_options_refuse_bad_keys_before_anything_loads() -> None:
     ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             parse([bad])
+
+
+def test_draft_mass_outside_the_teacher_top_k_by_brute_force() -> None:
+    """check_teacher's `draft_mass`: the draft's own q at the replayed positions, against a position-by-position
+    count over ids (a student whose block states are fixed rows and whose head is the identity)."""
+    from types import SimpleNamespace
+
+    from draft_opd_ray.check_teacher import draft_mass
+
+    _, item = _record_and_item()
+    item.valid_len = torch.tensor([3, 2])
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 3, 12, generator=g) * 2
+    student = SimpleNamespace(block_hidden=lambda b: hidden, lm_head=torch.eye(12))
+    got = draft_mass(student, [item], k=4, m=3)
+    top_m = outside_m = outside = 0.0
+    for j, v in enumerate([3, 2]):
+        for r in range(v):
+            q = torch.softmax(hidden[j, r], -1).tolist()
+            t = set(item.teacher_logprobs[j, r].topk(4).indices.tolist())
+            mine = sorted(range(12), key=lambda i: -q[i])[:3]
+            top_m += sum(q[i] for i in mine)
+            outside_m += sum(q[i] for i in mine if i not in t)
+            outside += sum(q[i] for i in range(12) if i not in t)
+    assert got["draft_topm_mass"] == pytest.approx(top_m / 5, rel=1e-5)
+    assert got["draft_topm_outside_topk"] == pytest.approx(outside_m / 5, rel=1e-5)
+    assert got["draft_mass_outside_topk"] == pytest.approx(outside / 5, rel=1e-5)
