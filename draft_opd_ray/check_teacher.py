@@ -16,7 +16,8 @@ k = 1..K' of every step (rows 0..K'-1 of the verification pass):
 * what the captured top-k leaves out of the draft's own distribution q at the same positions (the draft's top-m,
   m = ``check.draft_topm``, default `loss.draft_topm`, which `teacher.source=verify` cannot use): the mean q mass
   on the draft's top-m (``draft_topm_mass``), on those of its top-m ids outside the teacher's top-k
-  (``draft_topm_outside_topk``), and on every id outside the teacher's top-k (``draft_mass_outside_topk``).
+  (``draft_topm_outside_topk``), and on every id outside the teacher's top-k (``draft_mass_outside_topk``), each
+  by k (``check.topk`` and `teacher.topk`: capture wider to see what a wider top-k would keep).
 
 Options (Hydra-style ``key=value``, beside `main`'s overrides): ``check.prompts.*`` a prompt set as `data.eval`
 takes it (default: 8 MT-Bench questions; ``check.prompts.source=jsonl check.prompts.path=FILE
@@ -165,13 +166,15 @@ def compare(
 
 
 @torch.no_grad()
-def draft_mass(student: Any, replayed: Sequence[TeacherItem], k: int, m: int) -> dict[str, float]:
+def draft_mass(student: Any, replayed: Sequence[TeacherItem], ks: Sequence[int], m: int) -> dict[str, Any]:
     """Means over every scored drafted position of the draft's own q (`Student.block_hidden` x `lm_head`, its
-    vocabulary, as the learner computes it): its mass on its own top ``m``, on those top-``m`` ids outside the
-    teacher's top ``k``, and on every id outside the teacher's top ``k`` (what the verify source's topk
-    estimator sees only as the tail)."""
-    top_m = outside_m = outside = 0.0
-    n = 0
+    vocabulary, as the learner computes it): its mass on its own top ``m`` (``draft_topm_mass``), and for each
+    teacher top-k width in ``ks`` its mass on those top-``m`` ids outside the teacher's top k
+    (``draft_topm_outside_topk[k]``) and on every id outside it (``draft_mass_outside_topk[k]``: what the verify
+    source's topk estimator sees only as the tail)."""
+    top_m, n = 0.0, 0
+    outside_m = dict.fromkeys(ks, 0.0)
+    outside = dict.fromkeys(ks, 0.0)
     for item in replayed:
         assert item.teacher_logprobs is not None
         hidden = student.block_hidden(item.to("cpu"))  # (N, K, H)
@@ -179,18 +182,19 @@ def draft_mass(student: Any, replayed: Sequence[TeacherItem], k: int, m: int) ->
             if v == 0:
                 continue
             q = torch.softmax((hidden[j, :v] @ student.lm_head.T).float(), -1)  # (v, Vd)
-            in_teacher = torch.zeros_like(q, dtype=torch.bool)
-            in_teacher.scatter_(-1, item.teacher_logprobs[j, :v].topk(k, dim=-1).indices, True)
             qm, ids = q.topk(min(m, q.shape[-1]), dim=-1)
             top_m += float(qm.sum())
-            outside_m += float((qm * ~in_teacher.gather(-1, ids)).sum())
-            outside += float((q * ~in_teacher).sum())
+            for k in ks:
+                in_teacher = torch.zeros_like(q, dtype=torch.bool)
+                in_teacher.scatter_(-1, item.teacher_logprobs[j, :v].topk(k, dim=-1).indices, True)
+                outside_m[k] += float((qm * ~in_teacher.gather(-1, ids)).sum())
+                outside[k] += float((q * ~in_teacher).sum())
             n += v
     n = max(n, 1)
     return {
         "draft_topm_mass": top_m / n,
-        "draft_topm_outside_topk": outside_m / n,
-        "draft_mass_outside_topk": outside / n,
+        "draft_topm_outside_topk": {str(k): v / n for k, v in outside_m.items()},
+        "draft_mass_outside_topk": {str(k): v / n for k, v in outside.items()},
     }
 
 
@@ -307,7 +311,7 @@ def _check(
     student.model.eval()
     return {
         **dataclasses.asdict(c),
-        **draft_mass(student, items, topk, m),
+        **draft_mass(student, items, sorted({topk, cfg.teacher.topk or topk}), m),
         "draft_topm": m,
         "max_abs_feature_diff": None,
         "features_captured": False,

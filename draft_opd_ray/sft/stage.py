@@ -35,6 +35,14 @@ def _sft_key(cfg: Config) -> dict[str, Any]:
     return d
 
 
+def _teacher_key(cfg: Config) -> dict[str, Any]:
+    """The teacher settings the SFT pass reads: precision and top-k, not where Draft-OPD takes its teacher from
+    (``source``), so a warm start is shared by both sources."""
+    d = dataclasses.asdict(cfg.teacher)
+    d.pop("source")
+    return d
+
+
 def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]], stop: Sequence[int]) -> str:
     """The warm start's cache key: the target, the settings that change the draft, the prompts and the ids that end
     the target's answers."""
@@ -43,7 +51,7 @@ def _key(cfg: Config, target: str, prompts: Sequence[Sequence[int]], stop: Seque
         _sft_key(cfg),
         dataclasses.asdict(cfg.draft),
         dataclasses.asdict(cfg.optim),
-        dataclasses.asdict(cfg.teacher),
+        _teacher_key(cfg),
         resolve_dtype(cfg.learner.dtype),
         cfg.seed,
         {"stop_token_ids": list(stop)},

@@ -364,7 +364,10 @@ def test_warm_start_key_names_what_changes_the_draft() -> None:
 
     base = _key(cfg, "t", [[5, 6]], (2,))
     assert _key(sft(reuse=False, study=SFTStudyConfig(curve_tokens=[100])), "t", [[5, 6]], (2,)) == base
+    replay_teacher = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, source="replay"))
+    assert _key(replay_teacher, "t", [[5, 6]], (2,)) == base  # where Draft-OPD takes its teacher: not SFT's
     others = [
+        dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, topk=8)),
         sft(lr=2e-3),
         sft(study=SFTStudyConfig(max_flops=1e12)),
         dataclasses.replace(cfg, draft=DraftConfig(draft_vocab_size=8192)),

@@ -278,7 +278,7 @@ def test_draft_mass_outside_the_teacher_top_k_by_brute_force() -> None:
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 3, 12, generator=g) * 2
     student = SimpleNamespace(block_hidden=lambda b: hidden, lm_head=torch.eye(12))
-    got = draft_mass(student, [item], k=4, m=3)
+    got = draft_mass(student, [item], [4, 12], m=3)
     top_m = outside_m = outside = 0.0
     for j, v in enumerate([3, 2]):
         for r in range(v):
@@ -289,5 +289,7 @@ def test_draft_mass_outside_the_teacher_top_k_by_brute_force() -> None:
             outside_m += sum(q[i] for i in mine if i not in t)
             outside += sum(q[i] for i in range(12) if i not in t)
     assert got["draft_topm_mass"] == pytest.approx(top_m / 5, rel=1e-5)
-    assert got["draft_topm_outside_topk"] == pytest.approx(outside_m / 5, rel=1e-5)
-    assert got["draft_mass_outside_topk"] == pytest.approx(outside / 5, rel=1e-5)
+    assert got["draft_topm_outside_topk"]["4"] == pytest.approx(outside_m / 5, rel=1e-5)
+    assert got["draft_mass_outside_topk"]["4"] == pytest.approx(outside / 5, rel=1e-5)
+    # a teacher top-k that is the whole vocabulary leaves nothing outside
+    assert got["draft_topm_outside_topk"]["12"] == got["draft_mass_outside_topk"]["12"] == 0.0
