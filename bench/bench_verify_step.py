@@ -38,7 +38,9 @@ def _rollout(cfg, target: str, draft: str, prompts: list[list[int]], stop, max_n
 
     topk, vocab = capture_settings(cfg, target, draft)
     engine = SpecDecodeEngine(
-        EngineRun(target, cfg.draft.kind, draft, cpu_bind=all_cores(), capture_topk=topk, capture_vocab=vocab),
+        EngineRun(
+            target, cfg.draft.kind, draft, cpu_bind=all_cores(), capture_topk=topk, capture_vocab=vocab
+        ),
         cfg.draft,
         cfg.target,
         cfg.rollout,
@@ -69,8 +71,8 @@ def main() -> None:
     from draft_opd_ray.check_teacher import _draft_folder
     from draft_opd_ray.config.schema import PromptSetConfig
     from draft_opd_ray.config.store import compose
-    from draft_opd_ray.driver import load_prompts, prepare_target
     from draft_opd_ray.drafts.registry import draft_kind
+    from draft_opd_ray.driver import load_prompts, prepare_target
     from draft_opd_ray.flops import target_forward_flops
     from draft_opd_ray.loop.opd import replay_items
     from draft_opd_ray.models.target import stop_token_ids
@@ -81,7 +83,9 @@ def main() -> None:
     cfg = compose([])
     target, tokenizer, info = prepare_target(cfg)
     stop = stop_token_ids(info, tokenizer)
-    prompts = load_prompts(cfg, tokenizer, PromptSetConfig(source="mtbench", split="all", max_prompts=args.prompts))
+    prompts = load_prompts(
+        cfg, tokenizer, PromptSetConfig(source="mtbench", split="all", max_prompts=args.prompts)
+    )
     with tempfile.TemporaryDirectory(prefix="bench_p9_") as tmp:
         draft = _draft_folder(cfg, target, load_prompts(cfg, tokenizer, "train"), stop, Path(tmp))
     records = _rollout(cfg, target, draft, prompts, stop, args.max_new_tokens)
@@ -100,7 +104,11 @@ def main() -> None:
         run = ReplayRun(target, features, draft_ids, draft, num_threads=threads)
         actors[source] = ReplayActor(run, cfg.draft, teacher, cfg.loss, cfg.replay)
     learner = Learner(
-        LearnerRun(draft, target, total_steps=2 * args.repeats + 2), cfg.draft, cfg.loss, cfg.optim, cfg.learner
+        LearnerRun(draft, target, total_steps=2 * args.repeats + 2),
+        cfg.draft,
+        cfg.loss,
+        cfg.optim,
+        cfg.learner,
     )
     batches = {"verify": items, "replay": plain}
     times: dict[str, dict[str, list[float]]] = {s: {"replay": [], "learner": [], "step": []} for s in batches}
@@ -134,7 +142,11 @@ def main() -> None:
     write_result(
         args,
         "P9",
-        value={"P9": round(p9, 3), "replay_only": round(replay_ratio, 3), "target_flops": round(flops_ratio, 3)},
+        value={
+            "P9": round(p9, 3),
+            "replay_only": round(replay_ratio, 3),
+            "target_flops": round(flops_ratio, 3),
+        },
         target="report; well under 1",
         met=p9 < 1.0,
         raw={

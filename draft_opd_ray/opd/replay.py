@@ -180,8 +180,7 @@ class ReplayActor:
         ids = torch.tensor(it.input_ids, device=self.device)
         feats = None
         if self.student.features:  # the target hidden states the draft conditions on
-            out = self.model(ids[None], output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).float()
+            feats = self._features(ids).float()
         anchors = torch.tensor(it.anchor_pos, device=self.device)
         blocks = self.student.greedy_blocks(ids, feats, anchors, self.num_speculative_tokens)
         drafted, accepted = [], []
@@ -194,6 +193,13 @@ class ReplayActor:
             accepted.append(a)
         return ReplayItem(it.input_ids, list(it.anchor_pos), drafted, accepted, self.draft_version)
 
+    def _features(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T, A*H) the target's hidden states at the draft's feature layers over ``ids``: the decoder stack alone
+        (HF `get_decoder`), no LM head, which at a small target's vocabulary is a large share of the forward."""
+        decoder = self.model.get_decoder()
+        out = decoder(ids[None], output_hidden_states=True, use_cache=False)
+        return torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1)
+
     def _to_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.draft_ids is not None:
             logits = logits[..., self.draft_ids]
@@ -205,8 +211,7 @@ class ReplayActor:
         T, N, K = len(ids), len(it.anchor_pos), self.num_speculative_tokens
         feats = torch.zeros(T, 0)
         if self.aux:
-            out = self.model(ids[None].to(self.device), output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[i][0] for i in self.aux], dim=-1).cpu()  # target's dtype
+            feats = self._features(ids.to(self.device)).cpu()  # target's dtype
         drafted = torch.zeros(N, K, dtype=torch.long)
         for j, y in enumerate(it.drafted):
             drafted[j, : min(len(y), K)] = torch.tensor(y[:K], dtype=torch.long)
