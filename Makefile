@@ -26,7 +26,7 @@ typecheck: setup
 # engine, no GPU) + tests/integration (real vLLM CPU engine, Ray, DeepSpeed) + tests/docs (the README's commands);
 # slow end-to-end runs (tests/e2e) excluded.
 test: lint typecheck
-	bash scripts/pytest.sh -m "not slow"
+	bash scripts/pytest.sh -m "not slow" --durations=15
 
 # tests/unit: no vLLM engine, Ray cluster or DeepSpeed engine (tests/unit/conftest.py fails a test that starts one).
 test-fast: setup
