@@ -11,8 +11,9 @@ k = 1..K' of every step (rows 0..K'-1 of the verification pass):
   tolerance, with its k-th value);
 * max |Δ log-prob| at the captured ids (≤ ``check.tolerance``, default 1e-4, which float32 meets) and the log of
   the mass outside the top-k, each in the draft's vocabulary (EAGLE-3: its d2t ids, renormalised);
-* the target's feature rows of a feature-conditioned draft: not captured yet, reported as null with
-  ``features_captured: false``;
+* the target's feature rows of an EAGLE-3 draft, captured from what the drafter is handed (max |Δ| against the
+  replay's forward, ``max_abs_feature_diff``, same tolerance); null with ``features_captured: false`` for the
+  other kinds (DFlash's features come from the replay's forward);
 * what the captured top-k leaves out of the draft's own distribution q at the same positions (the draft's top-m,
   m = ``check.draft_topm``, default `loss.draft_topm`, which `teacher.source=verify` cannot use): the mean q mass
   on the draft's top-m (``draft_topm_mass``), on those of its top-m ids outside the teacher's top-k
@@ -165,6 +166,24 @@ def compare(
     return out
 
 
+def compare_features(records: Sequence[RequestRecord], replayed: Sequence[TeacherItem]) -> float | None:
+    """max |Δ| of the captured feature rows (`wire.captured_features`) against the replay's forward, over every
+    row a block reads; inf where a record's capture lacks a row the student reads; None: nothing captured."""
+    from draft_opd_ray.wire import captured_features
+
+    worst: float | None = None
+    for rec, item in zip(records, replayed):
+        if rec.captured is None or rec.captured.features is None:
+            continue
+        got = captured_features(rec.captured, len(item.input_ids))
+        if got is None:
+            return math.inf
+        need = len(item.input_ids) - (0 if len(item.input_ids) - 1 in rec.captured.anchor_pos else 1)
+        diff = float((got[:need] - item.features[:need].float()).abs().max()) if need else 0.0
+        worst = diff if worst is None else max(worst, diff)
+    return worst
+
+
 @torch.no_grad()
 def draft_mass(student: Any, replayed: Sequence[TeacherItem], ks: Sequence[int], m: int) -> dict[str, Any]:
     """Means over every scored drafted position of the draft's own q (`Student.block_hidden` x `lm_head`, its
@@ -277,6 +296,7 @@ def _check(
             cpu_bind=all_cores(),
             capture_topk=topk,
             capture_vocab=tuple(draft_ids) if draft_ids is not None else None,
+            capture_features=cfg.draft.kind == "eagle3",
         ),
         cfg.draft,
         cfg.target,
@@ -306,6 +326,7 @@ def _check(
         [ReplayItem(r.prompt_ids + r.response_ids, r.anchor_pos, r.drafted, r.accepted, 0) for r in ran]
     )
     c = compare(ran, items, opts.tolerance)
+    feature_diff = compare_features(ran, items) if cfg.draft.kind == "eagle3" else None
     m = opts.draft_topm or cfg.loss.draft_topm or 16
     student = kind.student(draft, target)
     student.model.eval()
@@ -313,8 +334,8 @@ def _check(
         **dataclasses.asdict(c),
         **draft_mass(student, items, sorted({topk, cfg.teacher.topk or topk}), m),
         "draft_topm": m,
-        "max_abs_feature_diff": None,
-        "features_captured": False,
+        "max_abs_feature_diff": feature_diff,
+        "features_captured": feature_diff is not None,
         "feature_conditioned": bool(features),
         "requests": len(ran),
         "draft_kind": cfg.draft.kind,
@@ -322,7 +343,7 @@ def _check(
         "dtype": opts.dtype,
         "topk": topk,
         "tolerance": opts.tolerance,
-        "ok": c.ok(opts.tolerance),
+        "ok": c.ok(opts.tolerance) and (feature_diff is None or feature_diff <= opts.tolerance),
     }
 
 

@@ -88,6 +88,10 @@ class CapturedSteps:
     topk_logprobs: np.ndarray
     log_tail: np.ndarray
     grammar: bool = False  # a grammar bitmask had masked these logits before the sampler saw them
+    # the target's feature rows by position (P, D) float32 and which positions were computed (P,), where the
+    # engine captured them (EAGLE-3: `verify_capture.FeatureTap`); None otherwise
+    features: np.ndarray | None = None
+    feature_seen: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -104,6 +108,8 @@ class CapturedSteps:
             self.topk_logprobs[idx],
             self.log_tail[idx],
             self.grammar,
+            self.features,  # by position: the whole request's
+            self.feature_seen,
         )
 
 
@@ -177,6 +183,7 @@ class TeacherItem:
     # the teacher came from the rollout's verification pass (`captured_teacher`): the replay's target ran, if at
     # all, over the committed sequence only, for the features
     teacher_captured: bool = False
+    features_captured: bool = False  # the features too (`captured_features`): the replay ran no target at all
 
     def to(self, device: torch.device | str) -> TeacherItem:
         """The same item with every tensor on ``device`` (a no-op where they already are)."""
@@ -214,7 +221,7 @@ class TeacherSummary:
     @staticmethod
     def of(t: TeacherItem) -> TeacherSummary:
         teacher = t.teacher_logprobs is not None or t.teacher_topk_ids is not None
-        ran = (teacher and not t.teacher_captured) or t.features.numel() > 0
+        ran = (teacher and not t.teacher_captured) or (t.features.numel() > 0 and not t.features_captured)
         agree = int((t.accepted == t.replay_accepted).sum())
         return TeacherSummary(
             len(t.anchor_pos),
@@ -253,6 +260,22 @@ def captured_teacher(
         t = torch.from_numpy(np.asarray(cap.log_tail[i, :v], dtype=np.float32))
         tail[i, :v] = torch.cat([t[:, None], vals[:, k:]], -1).logsumexp(-1) if k < kc else t
     return ids, lps, tail, valid
+
+
+def captured_features(cap: CapturedSteps, length: int) -> torch.Tensor | None:
+    """(length, D) the captured feature rows of a committed sequence of ``length`` tokens, or None where the capture
+    lacks one the student reads (a prefix-cache hit, a position never handed to the drafter). Rows 0..length-2 are
+    the committed tokens' (`verify_capture._last_write`). The last token was an input only where a step is
+    anchored on it (the length cap cut that step's tokens; its row 0 is the last write there); otherwise no block
+    reads its row, which stays zeros."""
+    if cap.features is None or cap.feature_seen is None:
+        return None
+    need = length if length - 1 in cap.anchor_pos else length - 1
+    if len(cap.feature_seen) < need or not bool(cap.feature_seen[:need].all()):
+        return None
+    out = torch.zeros(length, cap.features.shape[-1])
+    out[:need] = torch.from_numpy(np.ascontiguousarray(cap.features[:need]))
+    return out
 
 
 def payload_bytes(t: TeacherItem) -> int:

@@ -277,7 +277,7 @@ def _rollout_workers(
     ncores = os.cpu_count() or 1
     c = cfg.cluster
     nccl = plan_weight_sync(cfg.rollout.weight_sync, plan) == "nccl"
-    topk, vocab = capture_settings(cfg, target, draft_dir)
+    topk, vocab, features = capture_settings(cfg, target, draft_dir)
 
     def run(s: ActorSlot) -> EngineRun:
         return EngineRun(
@@ -290,6 +290,7 @@ def _rollout_workers(
             weight_transfer="nccl" if nccl else None,
             capture_topk=topk,
             capture_vocab=vocab,
+            capture_features=features,
         )
 
     return [
@@ -300,16 +301,21 @@ def _rollout_workers(
     ]
 
 
-def capture_settings(cfg: Config, target: str, draft_dir: str) -> tuple[int | None, tuple[int, ...] | None]:
-    """(top-k, vocabulary as target ids) the rollout engines capture the verification pass's teacher with where
-    `teacher.source` resolves to verify (`opd.source`), else (None, None): no capture, the scheduler records."""
+def capture_settings(
+    cfg: Config, target: str, draft_dir: str
+) -> tuple[int | None, tuple[int, ...] | None, bool]:
+    """(top-k, vocabulary as target ids, feature rows) the rollout engines capture the verification pass with where
+    `teacher.source` resolves to verify (`opd.source`), else (None, None, False): no capture, the scheduler records.
+    Feature rows: EAGLE-3's (the drafter is handed the target's auxiliary layers; DFlash's are computed by the
+    replay)."""
     from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.opd.source import teacher_source
 
     if not teacher_source(cfg.teacher, cfg.loss, cfg.replay).verify:
-        return None, None
+        return None, None, False
     _, draft_ids = draft_kind(cfg.draft.kind).replay_needs(draft_dir, target)
-    return cfg.teacher.topk, tuple(draft_ids) if draft_ids is not None else None
+    vocab = tuple(draft_ids) if draft_ids is not None else None
+    return cfg.teacher.topk, vocab, cfg.draft.kind == "eagle3"
 
 
 def replay_holds_draft(cfg: Config) -> bool:

@@ -31,7 +31,14 @@ from draft_opd_ray.algo.loss import teacher_log_tail
 from draft_opd_ray.config.schema import DraftConfig, LossConfig, ReplayConfig, TeacherConfig
 from draft_opd_ray.device import actor_device, node_threads
 from draft_opd_ray.sync.refit import RefitAck
-from draft_opd_ray.wire import ReplayItem, TeacherItem, TeacherSummary, captured_teacher, pack_branches
+from draft_opd_ray.wire import (
+    ReplayItem,
+    TeacherItem,
+    TeacherSummary,
+    captured_features,
+    captured_teacher,
+    pack_branches,
+)
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,8 @@ class ReplayActor:
         self.target = run.target
         self._model: Any = None
         self.aux = list(run.aux_layer_ids)
-        # a captured teacher with no features to compute needs no target here (`_from_capture`): load on first use
-        if not (teacher.source == "verify" and not self.aux and self.mode == "recorded"):
+        # a captured teacher (and captured features) need no target here (`_from_capture`): load on first use
+        if not (teacher.source == "verify" and self.mode == "recorded"):
             self._model = self._load_target(AutoModelForCausalLM)
         ids = run.draft_ids
         self.draft_ids = torch.tensor(list(ids), device=self.device) if ids is not None else None
@@ -205,12 +212,15 @@ class ReplayActor:
             logits = logits[..., self.draft_ids]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _features_only(self, it: ReplayItem) -> TeacherItem:
-        """The target features of the committed sequence, no teacher (blocks on the committed stream only)."""
+    def _features_only(self, it: ReplayItem, captured: torch.Tensor | None = None) -> TeacherItem:
+        """The target features of the committed sequence, no teacher (blocks on the committed stream only):
+        ``captured`` (the engine's rows, `wire.captured_features`), else a forward of the target's decoder."""
         ids = torch.tensor(it.input_ids)
         T, N, K = len(ids), len(it.anchor_pos), self.num_speculative_tokens
         feats = torch.zeros(T, 0)
-        if self.aux:
+        if captured is not None:
+            feats = captured.to(self.dtype)  # shipped in the target's precision, as the forward's are
+        elif self.aux:
             feats = self._features(ids.to(self.device)).cpu()  # target's dtype
         drafted = torch.zeros(N, K, dtype=torch.long)
         for j, y in enumerate(it.drafted):
@@ -222,17 +232,21 @@ class ReplayActor:
         )
 
     def _from_capture(self, it: ReplayItem) -> TeacherItem:
-        """The teacher the verification pass captured (`wire.captured_teacher`), the features from a target forward
-        over the committed sequence where the draft conditions on them (none for a standalone draft): no branch,
-        no teacher forward. The acceptance is the verification's own, so ``replay_accepted`` is ``accepted``."""
+        """The teacher the verification pass captured (`wire.captured_teacher`) and, where the draft conditions on
+        target features, the rows the engine captured too (`wire.captured_features`, EAGLE-3), else a forward of
+        the target's decoder over the committed sequence: no branch, no teacher forward, and with captured features
+        no target forward at all. The acceptance is the verification's own, so ``replay_accepted`` is
+        ``accepted``."""
         assert it.captured is not None
-        item = self._features_only(it)
+        feats = captured_features(it.captured, len(it.input_ids)) if self.aux else None
+        item = self._features_only(it, feats)
         ids, lps, tail, valid = captured_teacher(it.captured, self.num_speculative_tokens, self.topk)
         item.valid_len = valid
         item.accepted = torch.minimum(item.accepted, valid)
         item.replay_accepted = item.accepted.clone()
         item.teacher_topk_ids, item.teacher_topk_logprobs, item.teacher_log_tail = ids, lps, tail
         item.teacher_captured = True
+        item.features_captured = feats is not None
         return item
 
     def _score_one(self, it: ReplayItem) -> TeacherItem:

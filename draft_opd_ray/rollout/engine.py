@@ -117,8 +117,10 @@ def _engine_kwargs(
         if run.capture_topk is not None:
             # the worker records (verify-pass capture): vLLM's scheduling stays as it is, async on CUDA. Prefix
             # caching stays on: the teacher rows are verification rows, which every step computes (a prefix-cache
-            # hit skips prompt rows only, which the capture does not read)
+            # hit skips prompt rows only, which the teacher capture does not read); feature capture reads them
             kwargs["worker_extension_cls"] = EXTENSION
+            if run.capture_features:
+                kwargs["enable_prefix_caching"] = False
         elif record:
             kwargs["scheduler_cls"] = SCHEDULER
             # the engine core hands drafts to a custom Scheduler only when synchronous (v1/engine/core.py);
@@ -149,7 +151,8 @@ class EngineRun:
     the engine's node; ``capture_topk``: record in the workers instead (`rollout/verify_capture.py`, no scheduler
     subclass, vLLM's scheduling as it is) and keep the verification pass's teacher top-``capture_topk`` of every
     step on each record (`RequestRecord.captured`), over ``capture_vocab`` (the draft's vocabulary as target ids)
-    when given."""
+    when given; ``capture_features``: also the target's feature rows the drafter is handed (EAGLE-3), with vLLM's
+    prefix cache off (a cache hit computes no prompt rows)."""
 
     target: str | Path
     draft_kind: str
@@ -162,6 +165,7 @@ class EngineRun:
     dtype: str | None = None
     capture_topk: int | None = None
     capture_vocab: tuple[int, ...] | None = None
+    capture_features: bool = False
 
 
 class SpecDecodeEngine:
@@ -203,13 +207,13 @@ class SpecDecodeEngine:
         self.version = 0
         self.capture = self.record and run.capture_topk is not None
         if self.capture and run.capture_topk is not None:
-            self._install_capture(run.capture_topk, run.capture_vocab)
+            self._install_capture(run.capture_topk, run.capture_vocab, run.capture_features)
 
-    def _install_capture(self, topk: int, vocab: tuple[int, ...] | None) -> None:
+    def _install_capture(self, topk: int, vocab: tuple[int, ...] | None, features: bool) -> None:
         from draft_opd_ray.rollout.support import vllm_version
         from draft_opd_ray.rollout.verify_capture import TESTED_VLLM
 
-        runner = self.llm.collective_rpc("install_verify_capture", args=(topk, vocab))[0]
+        runner = self.llm.collective_rpc("install_verify_capture", args=(topk, vocab, features))[0]
         version = vllm_version() or "vLLM (unknown version)"
         if not version.endswith(f" {TESTED_VLLM}"):
             print(
@@ -218,7 +222,8 @@ class SpecDecodeEngine:
                 flush=True,
             )
         print(
-            f"[engine] verify-pass capture on {runner}: teacher top-{topk} at every verification step",
+            f"[engine] verify-pass capture on {runner}: teacher top-{topk} at every verification step"
+            + (", and the target's feature rows (prefix cache off)" if features else ""),
             flush=True,
         )
 

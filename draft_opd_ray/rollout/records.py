@@ -102,18 +102,20 @@ def read_parquet(path: str | Path) -> list[RequestRecord]:
 def _pack(steps: CapturedSteps | None) -> bytes | None:
     if steps is None:
         return None
+    arrays: dict[str, np.ndarray] = {
+        "anchor_pos": np.asarray(steps.anchor_pos, dtype=np.int64),
+        "accepted": np.asarray(steps.accepted, dtype=np.int64),
+        "drafted_len": np.asarray([len(d) for d in steps.drafted], dtype=np.int64),
+        "drafted": np.asarray([t for d in steps.drafted for t in d], dtype=np.int64),
+        "topk_ids": steps.topk_ids,
+        "topk_logprobs": steps.topk_logprobs,
+        "log_tail": steps.log_tail,
+        "grammar": np.asarray(steps.grammar),
+    }
+    if steps.features is not None and steps.feature_seen is not None:
+        arrays["features"], arrays["feature_seen"] = steps.features, steps.feature_seen
     buf = io.BytesIO()
-    np.savez(
-        buf,
-        anchor_pos=np.asarray(steps.anchor_pos, dtype=np.int64),
-        accepted=np.asarray(steps.accepted, dtype=np.int64),
-        drafted_len=np.asarray([len(d) for d in steps.drafted], dtype=np.int64),
-        drafted=np.asarray([t for d in steps.drafted for t in d], dtype=np.int64),
-        topk_ids=steps.topk_ids,
-        topk_logprobs=steps.topk_logprobs,
-        log_tail=steps.log_tail,
-        grammar=np.asarray(steps.grammar),
-    )
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
     return buf.getvalue()
 
 
@@ -131,4 +133,6 @@ def _unpack(data: bytes | None) -> CapturedSteps | None:
         z["topk_logprobs"],
         z["log_tail"],
         bool(z["grammar"]),
+        z.get("features"),
+        z.get("feature_seen"),
     )

@@ -79,6 +79,8 @@ class VerifyCapture:
         self.runner, self.inner, self.topk, self.v2 = runner, inner, int(topk), v2
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(list(vocab_ids), dtype=torch.long)
         self.calls: list[_Call] = []
+        # the target's feature rows the drafter was handed (`FeatureTap`), per request: (positions, rows) chunks
+        self.features: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def __getattr__(self, name: str) -> Any:  # everything else the runner reads from its sampler
         return getattr(self.inner, name)
@@ -192,7 +194,59 @@ class VerifyCapture:
                     )
                 d0 += nd
         self.calls = []
-        return {rid: _pack(s, self.topk) for rid, s in steps.items()}
+        out = {rid: _pack(s, self.topk) for rid, s in steps.items()}
+        for rid, chunks in self.features.items():
+            if rid in out:
+                out[rid].features, out[rid].feature_seen = _last_write(chunks)
+        self.features = {}
+        return out
+
+
+def _last_write(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
+    """(P, D) float32 feature rows by position and (P,) which positions were seen, from a request's chunks in step
+    order. A step's rows past its accepted tokens (the rejected suffix) sit at positions the next step computes
+    again from committed tokens, so the last row written at a position is the committed token's; positions past the
+    request's last input token keep a rejected row and are not read (`wire.captured_features`)."""
+    size = max(int(pos.max()) + 1 for pos, _ in chunks if pos.numel())
+    dim = chunks[0][1].shape[-1]
+    feats = np.zeros((size, dim), dtype=np.float32)
+    seen = np.zeros(size, dtype=bool)
+    for pos, rows in chunks:
+        p = pos.cpu().numpy()
+        feats[p] = rows.cpu().float().numpy()
+        seen[p] = True
+    return feats, seen
+
+
+def _host_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy on the host: a clone on CPU, a non-blocking device-to-host copy on a GPU (no sync per step)."""
+    return x.clone() if x.device.type == "cpu" else x.to("cpu", non_blocking=True)
+
+
+class FeatureTap:
+    """Stands in for the drafter's bound `propose` (an instance attribute on vLLM's proposer object, which the
+    runner's isinstance checks still see as itself): records the rows of ``target_hidden_states`` (EAGLE-3: the
+    target's auxiliary layers, concatenated in the draft's order) with ``target_positions`` per request, then calls
+    `propose` unchanged. Requests are the batch order of ``common_attn_metadata.query_start_loc_cpu`` and
+    `input_batch.req_ids` (v1/worker/gpu_model_runner.py, `propose_draft_token_ids`)."""
+
+    def __init__(self, runner: Any, inner: Any, capture: VerifyCapture) -> None:
+        self.runner, self.inner, self.capture = runner, inner, capture
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = kwargs.get("target_hidden_states")
+        positions = kwargs.get("target_positions")
+        meta = kwargs.get("common_attn_metadata")
+        if hidden is not None and positions is not None and meta is not None and positions.dim() == 1:
+            starts = meta.query_start_loc_cpu.tolist()
+            req_ids = self.runner.input_batch.req_ids
+            for b in range(min(len(starts) - 1, len(req_ids))):
+                a, e = starts[b], starts[b + 1]
+                if e > a:  # copies: the runner reuses its buffers next step
+                    self.capture.features.setdefault(req_ids[b], []).append(
+                        (_host_copy(positions[a:e]), _host_copy(hidden[a:e]))
+                    )
+        return self.inner(*args, **kwargs)
 
 
 def _pack(steps: list[tuple[Any, ...]], topk: int) -> CapturedSteps:
@@ -216,9 +270,10 @@ def _pack(steps: list[tuple[Any, ...]], topk: int) -> CapturedSteps:
     )
 
 
-def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None) -> VerifyCapture:
+def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None, features: bool = False) -> VerifyCapture:
     """Wrap ``runner``'s rejection sampler (idempotent: a second install replaces the settings, keeps vLLM's
-    sampler). Model Runner V2 is told apart by its `speculator` attribute (V1 and the CPU runner have `drafter`)."""
+    sampler). Model Runner V2 is told apart by its `speculator` attribute (V1 and the CPU runner have `drafter`).
+    ``features``: also tap the V1 drafter's `propose` for the target's feature rows (`FeatureTap`; EAGLE-3)."""
     current = getattr(runner, ATTRIBUTE, None)
     if current is None:
         raise RuntimeError(
@@ -233,6 +288,15 @@ def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None) -> VerifyCa
         )
     capture = VerifyCapture(runner, inner, topk, vocab_ids, v2=v2)
     setattr(runner, ATTRIBUTE, capture)
+    if features:
+        if v2:
+            raise RuntimeError(
+                "feature capture taps the V1 drafter's propose; Model Runner V2 has none: the replay computes them"
+            )
+        drafter = runner.drafter
+        bound = drafter.propose
+        bound = bound.inner if isinstance(bound, FeatureTap) else bound
+        drafter.propose = FeatureTap(runner, bound, capture)  # an instance attribute over the class's method
     return capture
 
 
@@ -256,11 +320,19 @@ def encode(steps: CapturedSteps) -> dict[str, Any]:
         "topk_logprobs": steps.topk_logprobs.tobytes(),
         "log_tail": steps.log_tail.tobytes(),
         "grammar": steps.grammar,
+        "features": None if steps.features is None else steps.features.tobytes(),
+        "feature_shape": None if steps.features is None else list(steps.features.shape),
+        "feature_seen": None if steps.feature_seen is None else steps.feature_seen.tobytes(),
     }
 
 
 def decode(d: dict[str, Any]) -> CapturedSteps:
     shape = tuple(d["shape"])
+    features = seen = None
+    if d.get("features") is not None:
+        fshape = tuple(d["feature_shape"])
+        features = np.frombuffer(d["features"], dtype=np.float32).reshape(fshape).copy()
+        seen = np.frombuffer(d["feature_seen"], dtype=bool).copy()
     return CapturedSteps(
         list(d["anchor_pos"]),
         [list(x) for x in d["drafted"]],
@@ -269,6 +341,8 @@ def decode(d: dict[str, Any]) -> CapturedSteps:
         np.frombuffer(d["topk_logprobs"], dtype=np.float32).reshape(shape).copy(),
         np.frombuffer(d["log_tail"], dtype=np.float32).reshape(shape[:2]).copy(),
         bool(d["grammar"]),
+        features,
+        seen,
     )
 
 

@@ -18,11 +18,14 @@ from draft_opd_ray.sync.receiver import DraftWeightExtension
 class RolloutWorkerExtension(DraftWeightExtension):
     """Worker-side methods; `self` is vLLM's worker. Call with `llm.collective_rpc(name, args=...)`."""
 
-    def install_verify_capture(self, topk: int, vocab_ids: Sequence[int] | None) -> str:
+    def install_verify_capture(
+        self, topk: int, vocab_ids: Sequence[int] | None, features: bool = False
+    ) -> str:
         """Capture the teacher's top ``topk`` (over ``vocab_ids`` when given) at every verification step from now
-        on. Returns the runner's class name (the owner's start-up line says which runner it wrapped)."""
+        on, and with ``features`` the target's feature rows the drafter is handed. Returns the runner's class name
+        (the owner's start-up line says which runner it wrapped)."""
         runner = self.model_runner  # type: ignore[attr-defined]
-        verify_capture.install(runner, topk, vocab_ids)
+        verify_capture.install(runner, topk, vocab_ids, features)
         return type(runner).__name__
 
     def take_verify_capture(self) -> dict[str, dict[str, Any]]:

@@ -4,7 +4,9 @@ reads; a change there that would make the capture read the wrong rows fails here
 
 Files: vllm/v1/sample/rejection_sampler.py, vllm/v1/worker/gpu_model_runner.py, vllm/v1/spec_decode/metadata.py,
 vllm/v1/worker/gpu/model_runner.py, vllm/v1/worker/gpu/spec_decode/rejection_sampler.py,
-vllm/v1/worker/gpu/input_batch.py, vllm/v1/engine/input_processor.py.
+vllm/v1/worker/gpu/input_batch.py, vllm/v1/engine/input_processor.py; for the feature rows
+vllm/v1/spec_decode/llm_base_proposer.py, vllm/v1/attention/backend.py, vllm/model_executor/models/llama.py and
+vllm/model_executor/models/interfaces.py.
 """
 
 from __future__ import annotations
@@ -162,3 +164,39 @@ def test_a_capturing_engine_keeps_vllms_scheduling() -> None:
     assert kw["worker_extension_cls"] == EXTENSION and "enable_prefix_caching" not in kw
     old = _engine_kwargs(spec, True, True, EngineRun("t", "eagle3", "d"))
     assert old["async_scheduling"] is False and "scheduler_cls" in old
+
+
+def test_v1_runner_hands_the_drafter_the_feature_rows_by_keyword() -> None:
+    """vllm/v1/worker/gpu_model_runner.py (`propose_draft_token_ids`), vllm/v1/spec_decode/llm_base_proposer.py and
+    vllm/v1/attention/backend.py: EAGLE-3's drafter is called by keyword with the target's auxiliary rows
+    (`target_hidden_states`, concatenated), their `target_positions` and `common_attn_metadata`, whose
+    `query_start_loc_cpu` splits the rows by request in batch order; `propose` takes those names. The feature
+    capture (`FeatureTap`) reads exactly these."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = _flat(inspect.getsource(GPUModelRunner.propose_draft_token_ids))
+    assert "self.drafter.propose(num_speculative_tokens=" in src
+    for name in ("target_positions=target_positions", "target_hidden_states=target_hidden_states"):
+        assert name in src, name
+    assert "common_attn_metadata=common_attn_metadata" in src
+    assert "target_hidden_states=torch.cat([h[:total_num_tokens]forhinaux_hidden_states],dim=-1)" in src
+    params = inspect.signature(SpecDecodeBaseProposer.propose).parameters
+    assert {"target_positions", "target_hidden_states", "common_attn_metadata"} <= set(params)
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert "query_start_loc_cpu" in fields
+
+
+def test_eagle3_aux_rows_are_hfs_hidden_states_at_the_same_ids() -> None:
+    """vllm/model_executor/models/llama.py and vllm/model_executor/models/interfaces.py: after layer idx runs, the
+    row for auxiliary id idx+1 is `hidden_states + residual` (the residual stream leaving layer idx), and id
+    `start_layer` is the embeddings: HF's `hidden_states[i]` for every id below the last layer, the rows the
+    replay ships (`opd/replay.py`)."""
+    from vllm.model_executor.models import interfaces, llama
+
+    model = _flat(inspect.getsource(llama.LlamaModel.forward))
+    assert "self._maybe_add_hidden_state(aux_hidden_states,self.start_layer,hidden_states,residual)" in model
+    assert "self._maybe_add_hidden_state(aux_hidden_states,idx+1,hidden_states,residual)" in model
+    add = _flat(inspect.getsource(interfaces))
+    assert "value=hidden_states+residualifresidualisnotNoneelsehidden_states" in add

@@ -301,3 +301,32 @@ def test_captured_steps_select_keeps_the_chosen_steps_in_order(replay_case) -> N
     assert two.anchor_pos == [c.item.anchor_pos[3], c.item.anchor_pos[1]]
     assert two.accepted == [c.item.accepted[3], c.item.accepted[1]]
     assert (two.topk_ids[0] == cap.topk_ids[3]).all() and (two.log_tail[1] == cap.log_tail[1]).all()
+
+
+def test_captured_feature_rows_leave_the_replay_no_target_forward(replay_case) -> None:
+    """EAGLE-3 with the engine's feature rows (`CapturedSteps.features`, here the target's own hidden states at the
+    draft's layers, by position): the item carries them (the last token's row zeros: never an input, never read),
+    the actor never loads the target, and the summary counts no target forward."""
+    import numpy as np
+
+    from draft_opd_ray.wire import TeacherSummary
+
+    c = replay_case
+    K, seq = c.num_speculative_tokens, c.item.input_ids
+    with torch.no_grad():
+        hs = c.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i][0] for i in (0, 1, 2)], -1)
+    cap = _verification_pass(c, c.item, 8)
+    cap.features, cap.feature_seen = feats.numpy(), np.ones(len(seq), dtype=bool)
+    captured = dataclasses.replace(c.item, captured=cap.select(range(len(c.item.anchor_pos))))
+    actor = replay_actor(c.target, [0, 1, 2], None, K, payload="topk", topk=8, source="verify")
+    (got,) = actor.score([captured])
+    assert actor._model is None and got.features_captured and not TeacherSummary.of(got).target_ran
+    assert torch.equal(got.features[:-1], feats[:-1]) and not got.features[-1].any()
+    (want,) = replay_actor(c.target, [0, 1, 2], None, K, payload="topk", topk=8).score([c.item])
+    assert torch.allclose(got.features[:-1], want.features[:-1], atol=1e-5)
+    cap.feature_seen[3] = False  # a row the capture lacks: the replay computes the features
+    (fallback,) = actor.score(
+        [dataclasses.replace(captured, captured=cap.select(range(len(c.item.anchor_pos))))]
+    )
+    assert not fallback.features_captured and TeacherSummary.of(fallback).target_ran

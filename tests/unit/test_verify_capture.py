@@ -293,3 +293,86 @@ def test_draft_mass_outside_the_teacher_top_k_by_brute_force() -> None:
     assert got["draft_mass_outside_topk"]["4"] == pytest.approx(outside / 5, rel=1e-5)
     # a teacher top-k that is the whole vocabulary leaves nothing outside
     assert got["draft_topm_outside_topk"]["12"] == got["draft_mass_outside_topk"]["12"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------- feature rows (EAGLE-3)
+
+
+class _Proposer:
+    """The drafter: a class method `propose`, called by keyword as the V1 runner does."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def propose(self, **kwargs: Any) -> str:
+        self.calls.append(kwargs)
+        return "drafts"
+
+
+def test_feature_rows_by_request_and_position_last_write_wins() -> None:
+    """Two steps of two requests: request a's step 1 (anchor 5, rows at positions 5..8) accepts 1, so positions 7
+    and 8 hold rejected rows until step 2 (anchor 7) computes them again from committed tokens; request b's prefill
+    (positions 0..2) comes in step 1. The drafter's `propose` gets the same arguments, and the runner still sees its
+    proposer's own class (an instance attribute, not a proxy)."""
+    meta, runner, logits = _v1_call()
+    runner.rejection_sampler = _V1Sampler([2, 0, 1, 0, 1])
+    drafter = _Proposer()
+    runner.drafter = drafter
+    cap = vc.install(runner, 3, None, features=True)
+    assert isinstance(runner.drafter, _Proposer) and isinstance(drafter.propose, vc.FeatureTap)
+    runner.rejection_sampler(meta, None, logits, None)  # a step so that request "a-1" has captured steps
+
+    def call(req_ids: list[str], positions: list[int], starts: list[int], fill: float) -> None:
+        runner.input_batch.req_ids = req_ids
+        hidden = torch.stack([torch.full((6,), fill + p) for p in positions])
+        out = drafter.propose(
+            num_speculative_tokens=3,
+            target_positions=torch.tensor(positions),
+            target_hidden_states=hidden,
+            common_attn_metadata=types.SimpleNamespace(query_start_loc_cpu=torch.tensor(starts)),
+        )
+        assert out == "drafts" and torch.equal(drafter.calls[-1]["target_hidden_states"], hidden)
+        hidden.zero_()  # the runner reuses its buffers: the capture must have copied
+
+    call(["a-1", "c-3"], [5, 6, 7, 8, 0, 1, 2], [0, 4, 7], fill=100.0)  # 7, 8 rejected in a's step
+    call(["a-1"], [7, 8, 9, 10], [0, 4], fill=200.0)  # step 2 from committed tokens
+    steps = cap.take()
+    a = steps["a-1"]
+    assert a.features is not None and a.feature_seen is not None
+    assert a.features.shape == (11, 6) and a.feature_seen.tolist() == [False] * 5 + [True] * 6
+    assert a.features[5:7, 0].tolist() == [105.0, 106.0] and a.features[7:11, 0].tolist() == [
+        207,
+        208,
+        209,
+        210,
+    ]
+    c = steps["c-3"]
+    assert c.features is not None and c.features[:3, 0].tolist() == [100.0, 101.0, 102.0]
+    assert "e-5" in steps and steps["e-5"].features is None  # a request the drafter was never handed
+    back = vc.decode(vc.encode(a))
+    assert back.features is not None and np.array_equal(back.features, a.features)
+    assert back.feature_seen is not None and np.array_equal(back.feature_seen, a.feature_seen)
+    assert cap.features == {}
+
+
+def test_captured_features_need_every_row_a_block_reads() -> None:
+    from draft_opd_ray.wire import captured_features
+
+    feats = np.arange(24, dtype=np.float32).reshape(6, 4)
+    seen = np.ones(6, dtype=bool)
+    cap = CapturedSteps(
+        [1, 3], [[5], [6]], [1, 0], *(np.zeros((2, 2, 1)),) * 2, np.zeros((2, 2)), False, feats, seen
+    )
+    got = captured_features(cap, 5)  # the last token (position 4) was never an input: zeros
+    assert got is not None and got[:4].tolist() == feats[:4].tolist() and got[4].tolist() == [0.0] * 4
+    anchored = CapturedSteps(
+        [1, 4], [[5], [6]], [1, 0], *(np.zeros((2, 2, 1)),) * 2, np.zeros((2, 2)), False, feats, seen
+    )
+    got = captured_features(anchored, 5)  # a step anchored on the last token: its row 0 is that token's
+    assert got is not None and got[4].tolist() == feats[4].tolist()
+    seen[2] = False  # a prefix-cache hit: a prompt row never computed
+    assert captured_features(cap, 5) is None
+    assert (
+        captured_features(CapturedSteps([1], [[5]], [1], *(np.zeros((1, 2, 1)),) * 2, np.zeros((1, 2))), 5)
+        is None
+    )
