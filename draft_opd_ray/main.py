@@ -46,7 +46,7 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
         from draft_opd_ray.opd.source import describe_source
 
         features = draft_kind(d.kind).feature_conditioned
-        head.append(describe_source(cfg.teacher, cfg.loss, cfg.replay, features))
+        head.append(describe_source(cfg.teacher, cfg.loss, cfg.replay, d.kind, features))
     return "\n".join(head) + "\n" + plan.render()
 
 

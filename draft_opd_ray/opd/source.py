@@ -56,14 +56,18 @@ def teacher_source(teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfi
     )
 
 
-def describe_source(teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfig, features: bool) -> str:
-    """The preflight line: which source, why, and what target forward the replay still runs."""
+def describe_source(
+    teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfig, kind: str, features: bool
+) -> str:
+    """The preflight line: which source, why, and what target forward the replay still runs (a draft of ``kind``
+    that conditions on target ``features``: EAGLE-3's are captured with the teacher, other kinds' computed)."""
     src = teacher_source(teacher, loss, replay)
     if not src.verify:
         return f"teacher: replay ({src.why})"
-    forward = (
-        "the replay's target runs over committed tokens only, for the draft's features"
-        if features
-        else "no replay target forward"
-    )
+    if kind == "eagle3":
+        forward = "EAGLE-3 features captured too (rollout prefix cache off): no replay target forward"
+    elif features:
+        forward = f"the replay's target runs its decoder over committed tokens only, for the {kind} features"
+    else:
+        forward = "no replay target forward"
     return f"teacher: verify ({src.why}); {forward}"

@@ -213,7 +213,8 @@ class SpecDecodeEngine:
         from draft_opd_ray.rollout.support import vllm_version
         from draft_opd_ray.rollout.verify_capture import TESTED_VLLM
 
-        runner = self.llm.collective_rpc("install_verify_capture", args=(topk, vocab, features))[0]
+        got = self.llm.collective_rpc("install_verify_capture", args=(topk, vocab, features))[0]
+        runner, tapped = got["runner"], bool(got["features"])
         version = vllm_version() or "vLLM (unknown version)"
         if not version.endswith(f" {TESTED_VLLM}"):
             print(
@@ -223,7 +224,12 @@ class SpecDecodeEngine:
             )
         print(
             f"[engine] verify-pass capture on {runner}: teacher top-{topk} at every verification step"
-            + (", and the target's feature rows (prefix cache off)" if features else ""),
+            + (", and the target's feature rows (prefix cache off)" if tapped else "")
+            + (
+                " (no drafter to tap here: the replay computes the features)"
+                if features and not tapped
+                else ""
+            ),
             flush=True,
         )
 

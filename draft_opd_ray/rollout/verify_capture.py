@@ -273,7 +273,8 @@ def _pack(steps: list[tuple[Any, ...]], topk: int) -> CapturedSteps:
 def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None, features: bool = False) -> VerifyCapture:
     """Wrap ``runner``'s rejection sampler (idempotent: a second install replaces the settings, keeps vLLM's
     sampler). Model Runner V2 is told apart by its `speculator` attribute (V1 and the CPU runner have `drafter`).
-    ``features``: also tap the V1 drafter's `propose` for the target's feature rows (`FeatureTap`; EAGLE-3)."""
+    ``features``: also tap the V1 drafter's `propose` for the target's feature rows (`FeatureTap`; EAGLE-3), where
+    there is one (not on Model Runner V2: `taps_features` says)."""
     current = getattr(runner, ATTRIBUTE, None)
     if current is None:
         raise RuntimeError(
@@ -288,11 +289,7 @@ def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None, features: b
         )
     capture = VerifyCapture(runner, inner, topk, vocab_ids, v2=v2)
     setattr(runner, ATTRIBUTE, capture)
-    if features:
-        if v2:
-            raise RuntimeError(
-                "feature capture taps the V1 drafter's propose; Model Runner V2 has none: the replay computes them"
-            )
+    if features and not v2:  # Model Runner V2 has no drafter to tap: the replay computes its features
         drafter = runner.drafter
         bound = drafter.propose
         bound = bound.inner if isinstance(bound, FeatureTap) else bound
@@ -350,3 +347,9 @@ def external_id(internal: str) -> str:
     """The id a caller gave a request, from the id the engine core and its workers see: vLLM appends "-" and 8
     random characters (`InputProcessor.assign_request_id`)."""
     return internal.rsplit("-", 1)[0]
+
+
+def taps_features(runner: Any) -> bool:
+    """Whether ``runner``'s drafter hands its feature rows to the capture (`install` with ``features``)."""
+    drafter = getattr(runner, "drafter", None)
+    return isinstance(getattr(drafter, "__dict__", {}).get("propose"), FeatureTap)

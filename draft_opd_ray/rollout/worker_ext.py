@@ -20,13 +20,13 @@ class RolloutWorkerExtension(DraftWeightExtension):
 
     def install_verify_capture(
         self, topk: int, vocab_ids: Sequence[int] | None, features: bool = False
-    ) -> str:
+    ) -> dict[str, Any]:
         """Capture the teacher's top ``topk`` (over ``vocab_ids`` when given) at every verification step from now
         on, and with ``features`` the target's feature rows the drafter is handed. Returns the runner's class name
-        (the owner's start-up line says which runner it wrapped)."""
+        and whether the feature rows are tapped (the owner's start-up line says which)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         verify_capture.install(runner, topk, vocab_ids, features)
-        return type(runner).__name__
+        return {"runner": type(runner).__name__, "features": verify_capture.taps_features(runner)}
 
     def take_verify_capture(self) -> dict[str, dict[str, Any]]:
         """Every request's captured steps since the last call, keyed by vLLM's internal request id."""

@@ -173,6 +173,9 @@ def test_v2_rows_from_cu_num_logits() -> None:
     )
     assert (steps["z-3"].anchor_pos, steps["z-3"].drafted, steps["z-3"].accepted) == ([200], [[5021]], [0])
     assert not steps["x-1"].grammar
+    # V2 has no drafter to tap: asking for feature rows installs the teacher capture alone, and says so
+    vc.install(runner, 2, None, features=True)
+    assert not vc.taps_features(runner) and steps["x-1"].features is None
 
 
 def test_v2_with_device_side_draft_budget_is_refused() -> None:
@@ -320,6 +323,9 @@ def test_feature_rows_by_request_and_position_last_write_wins() -> None:
     runner.drafter = drafter
     cap = vc.install(runner, 3, None, features=True)
     assert isinstance(runner.drafter, _Proposer) and isinstance(drafter.propose, vc.FeatureTap)
+    assert vc.taps_features(runner)
+    cap = vc.install(runner, 3, None, features=True)  # installed again: one tap, over vLLM's own method
+    assert isinstance(drafter.propose, vc.FeatureTap) and not isinstance(drafter.propose.inner, vc.FeatureTap)
     runner.rejection_sampler(meta, None, logits, None)  # a step so that request "a-1" has captured steps
 
     def call(req_ids: list[str], positions: list[int], starts: list[int], fill: float) -> None:
