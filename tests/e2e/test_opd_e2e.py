@@ -57,8 +57,9 @@ def test_opd_loop_runs_and_resumes(tiny_target: Path, tmp_path: Path) -> None:
     assert rows[-1]["staleness"] == 1 and rows[-1]["dropped_stale"] == 0
     assert rows[-1]["policy_version"] == 3
     assert os.readlink(run_dir / "checkpoints" / "opd" / "latest") == "step_3"
-    # the default teacher is the verification pass's, also for the round the checkpoint held in flight
-    assert all(m["teacher_captured"] == 1.0 for m in rows)
+    # the default teacher is the verification pass's, also for the round the checkpoint held in flight, and the
+    # EAGLE-3 features came with it: the replay ran no target forward (training FLOPs count none)
+    assert all(m["teacher_captured"] == 1.0 and m["flops_target"] == 0 for m in rows)
 
 
 def test_opd_loop_post_trains_a_standalone_draft_with_redraft(tiny_target: Path, tmp_path: Path) -> None:
