@@ -88,9 +88,9 @@ class CapturedSteps:
     topk_logprobs: np.ndarray
     log_tail: np.ndarray
     grammar: bool = False  # a grammar bitmask had masked these logits before the sampler saw them
-    # the target's feature rows by position (P, D) float32 and which positions were computed (P,), where the
-    # engine captured them (EAGLE-3: `verify_capture.FeatureTap`); None otherwise
-    features: np.ndarray | None = None
+    # the target's feature rows by position (P, D), in the target's dtype, and which positions were computed (P,),
+    # where the engine captured them (EAGLE-3: `verify_capture.FeatureTap`); None otherwise
+    features: torch.Tensor | None = None
     feature_seen: np.ndarray | None = None
 
     @property
@@ -273,9 +273,20 @@ def captured_features(cap: CapturedSteps, length: int) -> torch.Tensor | None:
     need = length if length - 1 in cap.anchor_pos else length - 1
     if len(cap.feature_seen) < need or not bool(cap.feature_seen[:need].all()):
         return None
-    out = torch.zeros(length, cap.features.shape[-1])
-    out[:need] = torch.from_numpy(np.ascontiguousarray(cap.features[:need]))
+    out = torch.zeros(length, cap.features.shape[-1], dtype=cap.features.dtype)
+    out[:need] = cap.features[:need]
     return out
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (any dtype, bfloat16 included, which numpy lacks): `tensor_from_bytes` inverts it."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(tuple(shape))
+    )
 
 
 def payload_bytes(t: TeacherItem) -> int:

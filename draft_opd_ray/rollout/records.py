@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from draft_opd_ray.wire import CapturedSteps, RequestRecord
+from draft_opd_ray.wire import CapturedSteps, RequestRecord, tensor_bytes, tensor_from_bytes
 
 
 def tau(records: Sequence[RequestRecord]) -> float:
@@ -112,8 +112,13 @@ def _pack(steps: CapturedSteps | None) -> bytes | None:
         "log_tail": steps.log_tail,
         "grammar": np.asarray(steps.grammar),
     }
-    if steps.features is not None and steps.feature_seen is not None:
-        arrays["features"], arrays["feature_seen"] = steps.features, steps.feature_seen
+    if (
+        steps.features is not None and steps.feature_seen is not None
+    ):  # raw bytes: bfloat16 has no numpy dtype
+        arrays["features"] = np.frombuffer(tensor_bytes(steps.features), dtype=np.uint8)
+        arrays["feature_shape"] = np.asarray(steps.features.shape, dtype=np.int64)
+        arrays["feature_dtype"] = np.asarray(str(steps.features.dtype).removeprefix("torch."))
+        arrays["feature_seen"] = steps.feature_seen
     buf = io.BytesIO()
     np.savez(buf, **arrays)  # type: ignore[arg-type]
     return buf.getvalue()
@@ -123,6 +128,11 @@ def _unpack(data: bytes | None) -> CapturedSteps | None:
     if data is None:
         return None
     z = np.load(io.BytesIO(data))
+    features = None
+    if "features" in z:
+        features = tensor_from_bytes(
+            z["features"].tobytes(), str(z["feature_dtype"]), z["feature_shape"].tolist()
+        )
     flat, lens = z["drafted"].tolist(), z["drafted_len"].tolist()
     starts = np.cumsum([0, *lens]).tolist()
     return CapturedSteps(
@@ -133,6 +143,6 @@ def _unpack(data: bytes | None) -> CapturedSteps | None:
         z["topk_logprobs"],
         z["log_tail"],
         bool(z["grammar"]),
-        z.get("features"),
+        features,
         z.get("feature_seen"),
     )

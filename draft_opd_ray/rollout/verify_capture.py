@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from draft_opd_ray.wire import CapturedSteps
+from draft_opd_ray.wire import CapturedSteps, tensor_bytes, tensor_from_bytes
 
 TESTED_VLLM = "0.32.0"  # the vLLM version this wrap was checked against (conformance tier)
 ATTRIBUTE = "rejection_sampler"  # the model runner's instance attribute this module wraps
@@ -202,19 +202,19 @@ class VerifyCapture:
         return out
 
 
-def _last_write(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
-    """(P, D) float32 feature rows by position and (P,) which positions were seen, from a request's chunks in step
-    order. A step's rows past its accepted tokens (the rejected suffix) sit at positions the next step computes
-    again from committed tokens, so the last row written at a position is the committed token's; positions past the
-    request's last input token keep a rejected row and are not read (`wire.captured_features`)."""
+def _last_write(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, np.ndarray]:
+    """(P, D) feature rows by position, in the target's dtype, and (P,) which positions were seen, from a request's
+    chunks in step order. A step's rows past its accepted tokens (the rejected suffix) sit at positions the next
+    step computes again from committed tokens, so the last row written at a position is the committed token's;
+    positions past the request's last input token keep a rejected row and are not read
+    (`wire.captured_features`)."""
     size = max(int(pos.max()) + 1 for pos, _ in chunks if pos.numel())
-    dim = chunks[0][1].shape[-1]
-    feats = np.zeros((size, dim), dtype=np.float32)
+    first = chunks[0][1]
+    feats = torch.zeros(size, first.shape[-1], dtype=first.dtype)
     seen = np.zeros(size, dtype=bool)
     for pos, rows in chunks:
-        p = pos.cpu().numpy()
-        feats[p] = rows.cpu().float().numpy()
-        seen[p] = True
+        feats[pos.cpu().long()] = rows.cpu()
+        seen[pos.cpu().numpy()] = True
     return feats, seen
 
 
@@ -317,8 +317,9 @@ def encode(steps: CapturedSteps) -> dict[str, Any]:
         "topk_logprobs": steps.topk_logprobs.tobytes(),
         "log_tail": steps.log_tail.tobytes(),
         "grammar": steps.grammar,
-        "features": None if steps.features is None else steps.features.tobytes(),
+        "features": None if steps.features is None else tensor_bytes(steps.features),
         "feature_shape": None if steps.features is None else list(steps.features.shape),
+        "feature_dtype": None if steps.features is None else str(steps.features.dtype).removeprefix("torch."),
         "feature_seen": None if steps.feature_seen is None else steps.feature_seen.tobytes(),
     }
 
@@ -327,8 +328,7 @@ def decode(d: dict[str, Any]) -> CapturedSteps:
     shape = tuple(d["shape"])
     features = seen = None
     if d.get("features") is not None:
-        fshape = tuple(d["feature_shape"])
-        features = np.frombuffer(d["features"], dtype=np.float32).reshape(fshape).copy()
+        features = tensor_from_bytes(d["features"], d["feature_dtype"], d["feature_shape"])
         seen = np.frombuffer(d["feature_seen"], dtype=bool).copy()
     return CapturedSteps(
         list(d["anchor_pos"]),

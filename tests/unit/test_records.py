@@ -71,6 +71,7 @@ def test_parquet_keeps_the_captured_teacher_only_when_asked(tmp_path: Path) -> N
     """The rounds a checkpoint holds in flight keep their verification-pass teacher (a resumed step trains on it
     as the uninterrupted one would); the per-step anchor files do not carry it."""
     import numpy as np
+    import torch
 
     from draft_opd_ray.wire import CapturedSteps
 
@@ -90,15 +91,14 @@ def test_parquet_keeps_the_captured_teacher_only_when_asked(tmp_path: Path) -> N
         )
     first = recs[0].captured
     assert first is not None  # EAGLE-3 feature rows by position ride along
-    first.features = g.standard_normal((9, 5)).astype(np.float32)
+    first.features = torch.randn(9, 5).to(torch.bfloat16)  # the target's dtype, bfloat16 on a GPU
     first.feature_seen = np.arange(9) % 4 != 0
     back = read_parquet(write_parquet(recs, tmp_path / "rounds.parquet", captured=True))
     assert back[2].captured is None and back[1].captured is not None and back[1].captured.features is None
     got = back[0].captured
     assert got is not None and got.features is not None and got.feature_seen is not None
-    assert np.array_equal(got.features, first.features) and np.array_equal(
-        got.feature_seen, first.feature_seen
-    )
+    assert got.features.dtype == torch.bfloat16 and torch.equal(got.features, first.features)
+    assert np.array_equal(got.feature_seen, first.feature_seen)
     for r, b in zip(recs[:2], back[:2]):
         assert r.captured is not None and b.captured is not None
         assert (b.captured.anchor_pos, b.captured.drafted, b.captured.accepted, b.captured.grammar) == (

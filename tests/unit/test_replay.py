@@ -317,7 +317,7 @@ def test_captured_feature_rows_leave_the_replay_no_target_forward(replay_case) -
         hs = c.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i][0] for i in (0, 1, 2)], -1)
     cap = _verification_pass(c, c.item, 8)
-    cap.features, cap.feature_seen = feats.numpy(), np.ones(len(seq), dtype=bool)
+    cap.features, cap.feature_seen = feats, np.ones(len(seq), dtype=bool)
     captured = dataclasses.replace(c.item, captured=cap.select(range(len(c.item.anchor_pos))))
     actor = replay_actor(c.target, [0, 1, 2], None, K, payload="topk", topk=8, source="verify")
     (got,) = actor.score([captured])

@@ -356,7 +356,7 @@ def test_feature_rows_by_request_and_position_last_write_wins() -> None:
     assert c.features is not None and c.features[:3, 0].tolist() == [100.0, 101.0, 102.0]
     assert "e-5" in steps and steps["e-5"].features is None  # a request the drafter was never handed
     back = vc.decode(vc.encode(a))
-    assert back.features is not None and np.array_equal(back.features, a.features)
+    assert back.features is not None and torch.equal(back.features, a.features)
     assert back.feature_seen is not None and np.array_equal(back.feature_seen, a.feature_seen)
     assert cap.features == {}
 
@@ -364,13 +364,18 @@ def test_feature_rows_by_request_and_position_last_write_wins() -> None:
 def test_captured_features_need_every_row_a_block_reads() -> None:
     from draft_opd_ray.wire import captured_features
 
-    feats = np.arange(24, dtype=np.float32).reshape(6, 4)
+    feats = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
     seen = np.ones(6, dtype=bool)
     cap = CapturedSteps(
         [1, 3], [[5], [6]], [1, 0], *(np.zeros((2, 2, 1)),) * 2, np.zeros((2, 2)), False, feats, seen
     )
     got = captured_features(cap, 5)  # the last token (position 4) was never an input: zeros
-    assert got is not None and got[:4].tolist() == feats[:4].tolist() and got[4].tolist() == [0.0] * 4
+    assert (
+        got is not None
+        and got.dtype == torch.bfloat16
+        and torch.equal(got[:4], feats[:4])
+        and not got[4].any()
+    )
     anchored = CapturedSteps(
         [1, 4], [[5], [6]], [1, 0], *(np.zeros((2, 2, 1)),) * 2, np.zeros((2, 2)), False, feats, seen
     )
