@@ -185,6 +185,30 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.is_file() else []
 
 
+def _teacher_summary(run_dir: Path, name: str) -> dict[str, Any]:
+    """check_teacher's JSON line (`check_teacher.json`): the capture on this GPU's runner against the replay."""
+    path = run_dir / "check_teacher.json"
+    try:
+        got = json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        got = None
+    s: dict[str, Any] = {"stage": f"{name}/check_teacher"}
+    if not isinstance(got, dict):
+        return {**s, "status": "FAIL", "why": "no JSON line from check_teacher (see its smoke.log)"}
+    keys = (
+        "positions",
+        "topk_mismatches",
+        "max_abs_logprob_diff",
+        "max_abs_feature_diff",
+        "features_captured",
+    )
+    s.update({k: got.get(k) for k in keys})
+    s["status"] = "PASS" if got.get("ok") else "FAIL"
+    if not got.get("ok"):
+        s["why"] = f"check_teacher not ok (tolerance {got.get('tolerance')})"
+    return s
+
+
 def stage_summaries(
     run_dir: Path, rc: int, wall_s: float, name: str, expect_opd_steps: int
 ) -> list[dict[str, Any]]:
@@ -233,6 +257,8 @@ def stage_summaries(
         if not swapped:
             e["why"] = "no τ before the opd stage in eval/report.json (the before/after swap did not run)"
         out.append(e)
+    if name == "teacher":
+        out.append(_teacher_summary(run_dir, name))
     if rc != 0:  # the run failed: the stage it was in (the first without a PASS, else the last) failed
         why = "timed out" if rc == 124 else f"exit code {rc}"
         bad = next((s for s in out if s["status"] != "PASS"), out[-1] if out else None)
@@ -285,6 +311,11 @@ def line(s: dict[str, Any]) -> str:
         body = ", ".join(
             f"{ds} (n {d['n']}) τ before {_num(d['tau_before'])} -> after {_num(d['tau'])}"
             for ds, d in s.get("datasets", {}).items()
+        )
+    elif kind == "check_teacher" and s.get("positions") is not None:
+        body = (
+            f"{s.get('positions')} positions, top-k mismatches {s.get('topk_mismatches')}, max |Δ log-prob| "
+            f"{_num(s.get('max_abs_logprob_diff'))}, max |Δ feature| {_num(s.get('max_abs_feature_diff'))}"
         )
     else:
         body = ""

@@ -13,6 +13,9 @@
 #        ~50 SFT steps, 3 Draft-OPD steps whose every refit is proven (opd/refit.py: the run fails when what an
 #        engine serves is not what the learner sent; the file transport, as the actors share one GPU: NCCL
 #        refuses two ranks on one device), then the evaluation with τ before and after Draft-OPD.
+#   teacher (after one): `python -m draft_opd_ray.check_teacher` on stage one's Draft-OPD draft, 8 prompts in
+#        float32: the verification pass's teacher and EAGLE-3 feature rows as captured on the GPU runner (CUDA
+#        graphs, vLLM's async scheduling) against the replay's forward; PASS when its JSON line says ok.
 #   multi (4+ GPUs): a tensor-parallel-2 engine on GPUs 0-1, the replay actor and 2 learner ranks (one DeepSpeed
 #        group) on GPUs 2-3, 3 steps of a fresh head with the NCCL refit from learner rank 0 into both TP ranks.
 #        With 2-3 GPUs it is skipped (a TP engine takes whole GPUs, and two learner ranks need a GPU each).
@@ -103,8 +106,29 @@ stage() {  # stage NAME ARGS...: run (or dry-run) main with the common, the stag
   [ "$rc" = 0 ] || tail -n 20 "$dir/smoke.log" | sed "s/^/[gpu-smoke] $name | /"
 }
 
+teacher() {  # check_teacher on stage one's draft; its last line (one JSON object) goes to check_teacher.json
+  local dir="$top/teacher" start rc
+  local cmd=("$PY" -m draft_opd_ray.check_teacher "${common[@]}" "draft.path=$top/one/checkpoints/opd/latest/draft"
+    check.prompts.max_prompts=8 check.max_new_tokens=64 check.dtype=float32 "${extra[@]+"${extra[@]}"}")
+  if [ "$dry" = 1 ]; then
+    echo "[gpu-smoke] teacher: ${cmd[*]} (runs after stage one, on its draft)"
+    return 0
+  fi
+  mkdir -p "$dir"
+  echo "[gpu-smoke] teacher: ${cmd[*]} (log $dir/smoke.log)"
+  start=$(date +%s)
+  set +e
+  timeout "${SMOKE_TIMEOUT_S:-480}" "${cmd[@]}" >"$dir/smoke.log" 2>&1
+  rc=$?
+  set -e
+  tail -n 1 "$dir/smoke.log" >"$dir/check_teacher.json"
+  runs+=("teacher:$rc:$(( $(date +%s) - start )):0:$dir")
+  [ "$rc" = 0 ] || tail -n 20 "$dir/smoke.log" | sed "s/^/[gpu-smoke] teacher | /"
+}
+
 failed=0
 stage one "${one[@]}" || failed=1
+teacher || failed=1
 if [ "$gpus" -ge 4 ]; then
   stage multi "${multi[@]}" || failed=1
 else

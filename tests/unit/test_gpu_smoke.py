@@ -140,3 +140,32 @@ def test_report_names_the_stage_that_failed(tmp_path: Path) -> None:
     assert "exit code 1" in opd["why"] and "expected [1, 2, 3]" in opd["why"]
     assert "FAIL" in line(opd)
     assert report(tmp_path, [("one", d, 1, 100.0, 3)]) == 1
+
+
+def test_the_teacher_stage_reports_check_teachers_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stage `teacher`: check_teacher's JSON line (capture on the GPU runner against the replay) decides it; no
+    line (the check died) is a FAIL that says where to look."""
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "check_teacher.json").write_text(
+        json.dumps(
+            {
+                "ok": True,
+                "positions": 900,
+                "topk_mismatches": 0,
+                "max_abs_logprob_diff": 2e-5,
+                "max_abs_feature_diff": 1e-5,
+                "features_captured": True,
+                "tolerance": 1e-4,
+            }
+        )
+    )
+    assert report(tmp_path, [("teacher", good, 0, 60.0, 0)]) == 0
+    out = capsys.readouterr().out
+    assert "teacher/check_teacher PASS: 900 positions, top-k mismatches 0" in out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    assert report(tmp_path, [("teacher", bad, 1, 60.0, 0)]) == 1
+    assert "teacher/check_teacher FAIL (exit code 1; no JSON line from check_teacher" in capsys.readouterr().out
