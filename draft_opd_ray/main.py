@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draft_opd_ray.checkpoint import real_path
 from draft_opd_ray.config.schema import Config
-from draft_opd_ray.config.store import register_configs, resumed_config, to_config
+from draft_opd_ray.config.store import override_key_error, register_configs, resumed_config, to_config
 from draft_opd_ray.errors import DraftOPDError, RunError
 from draft_opd_ray.placement import PlacementPlan
 from draft_opd_ray.preflight import check_resumable, check_run_dir, validate
@@ -221,6 +221,10 @@ def main() -> None:
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM stops a run as Ctrl-C does
         signal.signal(signal.SIGTERM, _raise_interrupt)
     register_configs()
+    bad = override_key_error(sys.argv[1:])
+    if bad is not None:  # before Hydra: a typo leaves no run dir
+        print(f"error: {bad}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
     _TAP = tap = _HeldStderr(sys.stderr)
     sys.stderr = tap
     try:

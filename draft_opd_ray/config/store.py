@@ -147,3 +147,44 @@ def compose(overrides: list[str] | None = None) -> Config:
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
     return to_config(cfg)
+
+
+CONFIG_GROUPS = ("algorithm", "cluster", "data", "draft", "eval", "target")  # draft_opd_ray/conf/<group>/
+
+
+def _schema_keys(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema, each with its node (a leaf value or a child config)."""
+    out: dict[str, Any] = {}
+    for k in node:
+        child = node._get_node(k)
+        key = f"{prefix}{k}"
+        out[key] = child
+        if isinstance(child, DictConfig):
+            out.update(_schema_keys(child, key + "."))
+    return out
+
+
+def override_key_error(args: list[str]) -> str | None:
+    """The first command-line override whose key is not in the schema, as one line naming the nearest real key, or
+    None. Hydra refuses `loss.gama=0.5` itself but adds `+loss.gama=0.5` (and `++x.y=1`) to a config without
+    complaint, so every prefix is checked here, before Hydra makes a run dir. Flags (`-m`, `--cfg job`), Hydra's
+    own keys (`hydra.*`) and config groups (`draft=standalone`, `+cluster=8xA100`) pass; an element of a list
+    (`eval.concurrency.0`) is its list's key."""
+    import difflib
+
+    keys = _schema_keys(schema_node())
+    for arg in args:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):  # `~key` deletes a key
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if key == "hydra" or key.startswith("hydra.") or key in CONFIG_GROUPS or "/" in key:
+            continue  # `hydra/launcher=...`, `group/sub=...`: Hydra's groups, checked by Hydra
+        parts = key.split(".")
+        while parts and parts[-1].isdigit() and ".".join(parts[:-1]) in keys:
+            parts.pop()
+        if ".".join(parts) in keys:
+            continue
+        near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else " (every key: --cfg job)"
+        return f"{key}: not a config key{hint}"
+    return None

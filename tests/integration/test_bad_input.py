@@ -134,7 +134,10 @@ CASES = [
     Case(("wandb.mode=online",), "wandb.mode: online needs a W&B API key"),
     # --- the command line itself (Hydra's composition errors, as one line) ---
     Case(("dry_run=maybe",), "dry_run: Value 'maybe' is not a valid bool"),
-    Case(("loss.gammma=0.5",), "loss.gammma: Key 'gammma' not in 'LossConfig'"),
+    Case(("loss.gammma=0.5",), "loss.gammma: not a config key; did you mean loss.gamma?"),
+    Case(("+loss.gama=0.5",), "loss.gama: not a config key; did you mean loss.gamma?"),  # Hydra would add it
+    Case(("+los.gamma=0.5",), "los.gamma: not a config key; did you mean loss.gamma?"),
+    Case(("++x.y=1",), "x.y: not a config key"),
     Case(("draft=medusa",), "Could not find 'draft/medusa'"),
     # --- the cluster plan ---
     Case(("+cluster=8xA100", "cluster.rollout_engines=9"), "the actors need 13 GPUs"),

@@ -171,3 +171,35 @@ def test_a_sweep_jobs_dir_name_is_one_short_path_component() -> None:
     assert "/" not in slug and slug.startswith("target.path=_models_Qwen3-8B")
     a, b = job_slug("x=" + "a" * 300 + ",seed=0"), job_slug("x=" + "a" * 300 + ",seed=1")
     assert len(a) == len(b) == SLUG_MAX and a != b
+
+
+def test_every_override_key_is_checked_against_the_schema_before_hydra() -> None:
+    """`+key=value` and `++key=value` are added by Hydra without a check: ours refuses any key the schema lacks
+    and names the nearest one; flags, Hydra's keys, config groups and list elements pass."""
+    from draft_opd_ray.config.store import override_key_error
+
+    assert override_key_error(["+loss.gama=0.5"]) == "loss.gama: not a config key; did you mean loss.gamma?"
+    assert override_key_error(["++los.gamma=0.5"]) == "los.gamma: not a config key; did you mean loss.gamma?"
+    assert (
+        override_key_error(["~teacher.sorce"])
+        == "teacher.sorce: not a config key; did you mean teacher.source?"
+    )
+    assert override_key_error(["x.y=1"]) == "x.y: not a config key (every key: --cfg job)"
+    fine = [
+        "-m",
+        "--cfg",
+        "job",
+        "loss.gamma=0.6,0.8",
+        "draft=standalone",
+        "+cluster=8xA100",
+        "hydra.run.dir=x",
+        "hydra/launcher=basic",
+        "async.max_staleness=3",
+        "eval.concurrency=[1,4]",
+        "draft.aux_layer_ids.0=3",
+        "teacher.source=replay",
+        "~wandb.mode",
+        "data.train.path=a.jsonl",
+        "cluster.rollout_engines=2",
+    ]
+    assert override_key_error(fine) is None

@@ -168,4 +168,6 @@ def test_the_teacher_stage_reports_check_teachers_line(
     bad = tmp_path / "bad"
     bad.mkdir()
     assert report(tmp_path, [("teacher", bad, 1, 60.0, 0)]) == 1
-    assert "teacher/check_teacher FAIL (exit code 1; no JSON line from check_teacher" in capsys.readouterr().out
+    assert (
+        "teacher/check_teacher FAIL (exit code 1; no JSON line from check_teacher" in capsys.readouterr().out
+    )
