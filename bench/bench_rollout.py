@@ -325,7 +325,7 @@ def main() -> None:
             f"{head_cpu:.4f}; record {m_rec:.1f} tok/s (sd {_sd(thr['record']):.1f}), plain {m_plain:.1f} tok/s "
             f"(sd {_sd(thr['plain']):.1f}); {len(prompts)} prompts x {args.max_new_tokens} tokens, K={args.num_speculative_tokens}, "
             f"tau {t:.2f}; vLLM steps per call record {sorted(steps_per_call['record'])} plain "
-            f"{sorted(steps_per_call['plain'])} (target >= 0.97)"
+            f"{sorted(steps_per_call['plain'])} (target >= {0.95 if args.capture else 0.97})"
         )
         glob = None
         if args.global_metrics:
