@@ -166,22 +166,32 @@ def compare(
     return out
 
 
-def compare_features(records: Sequence[RequestRecord], replayed: Sequence[TeacherItem]) -> float | None:
-    """max |Δ| of the captured feature rows (`wire.captured_features`) against the replay's forward, over every
-    row a block reads; inf where a record's capture lacks a row the student reads; None: nothing captured."""
+def compare_features(
+    records: Sequence[RequestRecord], replayed: Sequence[TeacherItem]
+) -> tuple[float | None, float | None]:
+    """(max |Δ|, max |feature|) of the captured feature rows (`wire.captured_features`) against the replay's
+    forward, over every row a block reads: the scale says what an absolute difference is relative to (the residual
+    stream of a deep layer runs to hundreds). |Δ| is inf where a record's capture lacks a row the student reads;
+    (None, None): nothing captured."""
     from draft_opd_ray.wire import captured_features
 
     worst: float | None = None
+    scale: float | None = None
     for rec, item in zip(records, replayed):
         if rec.captured is None or rec.captured.features is None:
             continue
         got = captured_features(rec.captured, len(item.input_ids))
         if got is None:
-            return math.inf
+            return math.inf, scale
         need = len(item.input_ids) - (0 if len(item.input_ids) - 1 in rec.captured.anchor_pos else 1)
-        diff = float((got[:need] - item.features[:need].float()).abs().max()) if need else 0.0
+        if need == 0:
+            continue
+        want = item.features[:need].float()
+        diff = float((got[:need].float() - want).abs().max())
         worst = diff if worst is None else max(worst, diff)
-    return worst
+        top = float(want.abs().max())
+        scale = top if scale is None else max(scale, top)
+    return worst, scale
 
 
 @torch.no_grad()
@@ -326,7 +336,7 @@ def _check(
         [ReplayItem(r.prompt_ids + r.response_ids, r.anchor_pos, r.drafted, r.accepted, 0) for r in ran]
     )
     c = compare(ran, items, opts.tolerance)
-    feature_diff = compare_features(ran, items) if cfg.draft.kind == "eagle3" else None
+    feature_diff, feature_scale = compare_features(ran, items) if cfg.draft.kind == "eagle3" else (None, None)
     m = opts.draft_topm or cfg.loss.draft_topm or 16
     student = kind.student(draft, target)
     student.model.eval()
@@ -335,6 +345,7 @@ def _check(
         **draft_mass(student, items, sorted({topk, cfg.teacher.topk or topk}), m),
         "draft_topm": m,
         "max_abs_feature_diff": feature_diff,
+        "max_abs_feature": feature_scale,
         "features_captured": feature_diff is not None,
         "feature_conditioned": bool(features),
         "requests": len(ran),
