@@ -12,7 +12,7 @@ A step is what the OPD loop runs after the rollout: the replay actor's `score` a
 (`opd/learner.py`, DeepSpeed on CPU). The two sources run on the same items, interleaved, each with its own replay
 actor as the loop would build it from `teacher.source`:
 
-    verify   the captured top-k and tail; the replay's target runs over the committed tokens for the features;
+    verify   the captured top-k and tail, and EAGLE-3's feature rows captured with them: the replay runs no target;
     replay   the packed tree-masked target forward over sequence + branches, and the draft's own top-m
              (`loss.draft_topm`, the default) from the replay's draft copy.
 
@@ -36,10 +36,16 @@ def _rollout(cfg, target: str, draft: str, prompts: list[list[int]], stop, max_n
     from draft_opd_ray.loop.actors import capture_settings
     from draft_opd_ray.rollout.engine import EngineRun, Sampling, SpecDecodeEngine, all_cores
 
-    topk, vocab = capture_settings(cfg, target, draft)
+    topk, vocab, features = capture_settings(cfg, target, draft)
     engine = SpecDecodeEngine(
         EngineRun(
-            target, cfg.draft.kind, draft, cpu_bind=all_cores(), capture_topk=topk, capture_vocab=vocab
+            target,
+            cfg.draft.kind,
+            draft,
+            cpu_bind=all_cores(),
+            capture_topk=topk,
+            capture_vocab=vocab,
+            capture_features=features,
         ),
         cfg.draft,
         cfg.target,
