@@ -306,7 +306,7 @@ def _check(
             cpu_bind=all_cores(),
             capture_topk=topk,
             capture_vocab=tuple(draft_ids) if draft_ids is not None else None,
-            capture_features=cfg.draft.kind == "eagle3",
+            capture_features=kind.features_from_drafter,
         ),
         cfg.draft,
         cfg.target,
@@ -336,7 +336,7 @@ def _check(
         [ReplayItem(r.prompt_ids + r.response_ids, r.anchor_pos, r.drafted, r.accepted, 0) for r in ran]
     )
     c = compare(ran, items, opts.tolerance)
-    feature_diff, feature_scale = compare_features(ran, items) if cfg.draft.kind == "eagle3" else (None, None)
+    feature_diff, feature_scale = compare_features(ran, items) if kind.features_from_drafter else (None, None)
     m = opts.draft_topm or cfg.loss.draft_topm or 16
     student = kind.student(draft, target)
     student.model.eval()

@@ -45,8 +45,12 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
         from draft_opd_ray.drafts.registry import draft_kind
         from draft_opd_ray.opd.source import describe_source
 
-        features = draft_kind(d.kind).feature_conditioned
-        head.append(describe_source(cfg.teacher, cfg.loss, cfg.replay, d.kind, features))
+        k = draft_kind(d.kind)
+        head.append(
+            describe_source(
+                cfg.teacher, cfg.loss, cfg.replay, d.kind, k.features_from_drafter, k.feature_conditioned
+            )
+        )
     return "\n".join(head) + "\n" + plan.render()
 
 
@@ -85,6 +89,8 @@ def _hydra_main(dcfg: DictConfig) -> None:
     print(describe(cfg, plan), flush=True)
     if cfg.dry_run:
         remove_untouched_run_dir(run_dir)
+        if str(hc.mode) == "RunMode.MULTIRUN":  # the sweep dir, where Hydra wrote multirun.yaml at start
+            remove_untouched_sweep_dir(Path(hc.sweep.dir))
         return
     from draft_opd_ray.driver import run
 
@@ -157,6 +163,22 @@ def remove_untouched_run_dir(run_dir: Path) -> bool:
     parent = run_dir.parent
     if parent.parent.name == "outputs" and parent.is_dir() and not any(parent.iterdir()):
         parent.rmdir()
+    return True
+
+
+def remove_untouched_sweep_dir(sweep_dir: Path) -> bool:
+    """Remove a sweep dir that holds nothing but Hydra's `multirun.yaml` (a dry-run sweep: each job removes its own
+    dir, and the last one leaves nothing), and the empty date folder of Hydra's default `multirun/<date>/<time>`."""
+    import shutil
+
+    if not sweep_dir.is_dir() or not {p.name for p in sweep_dir.iterdir()} <= {"multirun.yaml"}:
+        return False
+    shutil.rmtree(sweep_dir, ignore_errors=True)
+    parent = sweep_dir.parent
+    if parent.parent.name == "multirun" and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+        with contextlib.suppress(OSError):
+            parent.parent.rmdir()  # `multirun/` itself, if that was all it held
     return True
 
 

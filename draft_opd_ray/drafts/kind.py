@@ -75,6 +75,9 @@ class DraftKind:
     starts_fresh: bool  # the opd stage may start from a freshly initialised draft (`Pieces.fresh`)
     pieces: Callable[[], Pieces]
     lm_head_option: bool = False  # has an LM head of its own that `draft.train_lm_head` may train
+    # vLLM's V1 drafter is handed the target features this kind conditions on, as the replay ships them (the
+    # auxiliary layers' rows): the verify-pass capture can take them there (`rollout/verify_capture.FeatureTap`)
+    features_from_drafter: bool = False
     # checkpoint-name fragments vLLM's draft module spells differently (beyond `sync/refit.served_key`'s rules)
     vllm_aliases: Mapping[str, str] = field(default_factory=dict)
     # the kind's own checks (no weights read), each raising ConfigError / ModelError:

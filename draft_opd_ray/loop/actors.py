@@ -306,16 +306,17 @@ def capture_settings(
 ) -> tuple[int | None, tuple[int, ...] | None, bool]:
     """(top-k, vocabulary as target ids, feature rows) the rollout engines capture the verification pass with where
     `teacher.source` resolves to verify (`opd.source`), else (None, None, False): no capture, the scheduler records.
-    Feature rows: EAGLE-3's (the drafter is handed the target's auxiliary layers; DFlash's are computed by the
-    replay)."""
+    Feature rows where the kind's drafter is handed them (`DraftKind.features_from_drafter`: EAGLE-3; DFlash's are
+    computed by the replay)."""
     from draft_opd_ray.drafts.registry import draft_kind
     from draft_opd_ray.opd.source import teacher_source
 
     if not teacher_source(cfg.teacher, cfg.loss, cfg.replay).verify:
         return None, None, False
-    _, draft_ids = draft_kind(cfg.draft.kind).replay_needs(draft_dir, target)
+    kind = draft_kind(cfg.draft.kind)
+    _, draft_ids = kind.replay_needs(draft_dir, target)
     vocab = tuple(draft_ids) if draft_ids is not None else None
-    return cfg.teacher.topk, vocab, cfg.draft.kind == "eagle3"
+    return cfg.teacher.topk, vocab, kind.features_from_drafter
 
 
 def replay_holds_draft(cfg: Config) -> bool:

@@ -57,15 +57,15 @@ def teacher_source(teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfi
 
 
 def describe_source(
-    teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfig, kind: str, features: bool
+    teacher: TeacherConfig, loss: LossConfig, replay: ReplayConfig, kind: str, captured: bool, features: bool
 ) -> str:
-    """The preflight line: which source, why, and what target forward the replay still runs (a draft of ``kind``
-    that conditions on target ``features``: EAGLE-3's are captured with the teacher, other kinds' computed)."""
+    """The preflight line: which source, why, and what target forward the replay still runs for a draft of ``kind``
+    that conditions on target ``features``, ``captured`` with the teacher where its drafter is handed them."""
     src = teacher_source(teacher, loss, replay)
     if not src.verify:
         return f"teacher: replay ({src.why})"
-    if kind == "eagle3":
-        forward = "EAGLE-3 features captured too (rollout prefix cache off): no replay target forward"
+    if captured:
+        forward = f"{kind} features captured too (rollout prefix cache off): no replay target forward"
     elif features:
         forward = f"the replay's target runs its decoder over committed tokens only, for the {kind} features"
     else:

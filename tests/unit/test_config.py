@@ -203,3 +203,13 @@ def test_every_override_key_is_checked_against_the_schema_before_hydra() -> None
         "cluster.rollout_engines=2",
     ]
     assert override_key_error(fine) is None
+
+
+def test_a_multirun_dry_run_leaves_no_file(tmp_path: Path) -> None:
+    """Each job of a dry-run sweep prints its plan and removes its own dir; the sweep dir, where Hydra wrote
+    multirun.yaml at start, goes with the last one."""
+    sweep = tmp_path / "multirun" / "day" / "time"
+    r = run_main("-m", "loss.gamma=0.6,0.9", "dry_run=true", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("placement plan for cluster") == 2
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], list(tmp_path.rglob("*"))

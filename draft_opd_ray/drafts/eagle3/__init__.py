@@ -50,6 +50,7 @@ KIND = DraftKind(
     vllm_method="eagle3",
     architecture="LlamaForCausalLMEagle3",
     feature_conditioned=True,
+    features_from_drafter=True,
     starts_fresh=True,
     pieces=pieces,
     lm_head_option=True,
