@@ -83,6 +83,8 @@ class VerifyCapture:
         self.features: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def __getattr__(self, name: str) -> Any:  # everything else the runner reads from its sampler
+        if name == "inner":  # not set yet (a copy, an unpickling): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -194,6 +196,8 @@ class VerifyCapture:
                     )
                 d0 += nd
         self.calls = []
+        if self.features and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the feature rows' non-blocking copies into pinned host memory are done
         out = {rid: _pack(s, self.topk) for rid, s in steps.items()}
         for rid, chunks in self.features.items():
             if rid in out:

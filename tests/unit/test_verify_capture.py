@@ -387,3 +387,9 @@ def test_captured_features_need_every_row_a_block_reads() -> None:
         captured_features(CapturedSteps([1], [[5]], [1], *(np.zeros((1, 2, 1)),) * 2, np.zeros((1, 2))), 5)
         is None
     )
+
+
+def test_a_capture_without_its_sampler_yet_raises_instead_of_recursing() -> None:
+    bare = object.__new__(vc.VerifyCapture)  # what a copy or an unpickling sees before __init__'s attributes
+    with pytest.raises(AttributeError):
+        _ = bare.max_spec_len
