@@ -122,7 +122,9 @@ def test_invalid_sampling_is_rejected(worker, models) -> None:
         ray.get(worker.generate.remote(prompts[:1], Sampling(temperature=-1.0)))
 
 
-@pytest.mark.parametrize("transport", ["shm_file", "object_store"])
+# object_store (the transport between nodes) costs another 100 s of engine time: the slow tier runs it, as it does
+# test_refit_vllm.py's
+@pytest.mark.parametrize("transport", ["shm_file", pytest.param("object_store", marks=pytest.mark.slow)])
 def test_weight_update_changes_tau_and_returns(models, worker, transport: str) -> None:
     import ray
     from safetensors.torch import load_file
