@@ -274,6 +274,7 @@ def run(cfg: Config, opts: CheckOptions) -> dict[str, Any]:
     from draft_opd_ray.driver import load_prompts, prepare_target
     from draft_opd_ray.models.target import stop_token_ids
 
+    cfg.rollout.max_new_tokens = opts.max_new_tokens  # the check's rollouts: their length sizes the engine
     target, tokenizer, info = prepare_target(cfg)
     stop = stop_token_ids(info, tokenizer)
     prompts = load_prompts(cfg, tokenizer, opts.prompts)

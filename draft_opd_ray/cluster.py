@@ -29,6 +29,7 @@ from typing import Any
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import ClusterError
+from draft_opd_ray.logs import runtime_env
 from draft_opd_ray.placement import DRIVER, PlacementPlan
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -111,6 +112,7 @@ def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
         return False
     address = resolve_address(cfg.cluster.ray_address)
     ns = namespace_for(run_dir)
+    env = runtime_env()  # a quiet run's library logging in every worker (logs.py)
     if address is None:
         ray.init(
             address="local",
@@ -118,11 +120,12 @@ def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
             include_dashboard=False,
             namespace=ns,
             logging_level=logging.ERROR,  # its start-up notices are noise on stderr; the actors' logs still come
+            runtime_env=env or None,
         )
         return True
     wait_reachable(address, cfg.cluster.connect_timeout_s)
     try:
-        ray.init(address=address, namespace=ns, include_dashboard=False)
+        ray.init(address=address, namespace=ns, include_dashboard=False, runtime_env=env or None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ClusterError(f"cluster.ray_address: cannot join the Ray cluster at {address}: {e}") from None
     return True

@@ -297,7 +297,7 @@ def plot_tau_by_arm(result: dict[str, Any], out: Path) -> Path:
         ax.scatter(i + 0.12 + np.linspace(-0.04, 0.04, len(seeds)), seeds, s=12, color="grey", zorder=3)
     ax.set_xticks(range(len(arms)), arms, rotation=20, ha="right", fontsize=8)
     ax.set_xlim(-0.5, len(arms) - 0.5)
-    ax.set_ylabel(f"τ on {result['dataset']}")
+    ax.set_ylabel(f"τ on {result['dataset']} (held-out prompts)")
     ax.set_title("τ by arm: mean, 95% CI over seeds, seeds as dots", fontsize=9)
     fig.tight_layout()
     path = out / "tau_by_arm.png"
@@ -329,7 +329,7 @@ def plot_tau_vs_compute(runs: Sequence[Run], result: dict[str, Any], out: Path) 
     if xs and min(xs) > 0:
         ax.set_xscale("log")
     ax.set_xlabel("training FLOPs (draft + target)")
-    ax.set_ylabel(f"τ on {result['dataset']}")
+    ax.set_ylabel(f"τ on {result['dataset']} (held-out prompts)")
     ax.set_title("τ vs training compute")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -50,6 +50,11 @@ def prepare_target(cfg: Config) -> tuple[str, Any, Any]:
     kind.check_fits(cfg.draft, info.num_layers, info.vocab_size)
     if cfg.draft.path is not None:
         kind.check_folder(target, cfg.draft.path)
+    # a run that was not preflighted (check_teacher, benchmarks, notebooks) is sized here
+    if cfg.target.max_model_len is None:
+        from draft_opd_ray.sizing import size_from_target
+
+        size_from_target(cfg, info, kind.sizing(cfg.draft, info))
     return str(target), AutoTokenizer.from_pretrained(target), info
 
 
@@ -148,13 +153,6 @@ def eval_stage(
             "eval", 0, dataset=name, tau=e["tau"], tau_vllm=e["tau_vllm"], speedup_c1=e["speedup"].get("1")
         )
     print((run_dir / "eval" / "report.md").read_text(), flush=True)
-    for name, e in report["datasets"].items():
-        if "before" in e:
-            print(
-                f"[result] {name}: τ before Draft-OPD {e['before']['tau']:.3f} -> after {e['tau']:.3f}"
-                f" (vLLM counters {e['before']['tau_vllm']:.3f} -> {e['tau_vllm']:.3f})",
-                flush=True,
-            )
 
 
 def ray_session(
@@ -204,7 +202,9 @@ def run(cfg: Config, plan: PlacementPlan, run_dir: str) -> None:
     rd.mkdir(parents=True, exist_ok=True)
     with ray_session(cfg, plan, rd) as reservation:  # an unreachable or too small cluster fails first
         run_stages(cfg, plan, rd, reservation, prepare_inputs(cfg))
-    print(f"[done] run directory: {rd}", flush=True)
+    from draft_opd_ray.eval.summary import run_summary
+
+    print(run_summary(rd), flush=True)
 
 
 def run_stages(

@@ -14,13 +14,35 @@ included, because the kernels compute them), which is what ``torch.utils.flop_co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from draft_opd_ray.drafts.eagle3.model import Eagle3Config
     from draft_opd_ray.models.target import TargetInfo
+
+
+class Eagle3Shape(Protocol):
+    """The fields of an EAGLE-3 draft's config (``Eagle3Config``) that the EAGLE-3 counts read. Named here so
+    that this module, which the drafts import, imports nothing from them."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def draft_vocab_size(self) -> int: ...
+    @property
+    def aux_layer_ids(self) -> Sequence[int]: ...
+    @property
+    def target_hidden_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +56,7 @@ class Flops:
 
 
 def eagle3_train_flops(
-    c: Eagle3Config, batch: int, seq_len: int, ttt_steps: int, *, lm_head_trainable: bool = False
+    c: Eagle3Shape, batch: int, seq_len: int, ttt_steps: int, *, lm_head_trainable: bool = False
 ) -> Flops:
     """One TTT forward + backward of :class:`~draft_opd_ray.drafts.eagle3.model.Eagle3Draft` on a (batch, seq_len)
     batch. Each of the ``ttt_steps`` passes runs the decoder layer and the LM head over every row; step 0 also
@@ -54,7 +76,7 @@ def eagle3_train_flops(
     return Flops(float(fwd), float(bwd))
 
 
-def eagle3_block_flops(c: Eagle3Config, seq_len: int, anchors: int, num_speculative_tokens: int) -> Flops:
+def eagle3_block_flops(c: Eagle3Shape, seq_len: int, anchors: int, num_speculative_tokens: int) -> Flops:
     """Student side of Draft-OPD for one sequence (:meth:`Eagle3Draft.block_hidden` + the frozen LM head at the
     block positions), forward + backward: step 0 runs ``fc`` and the layer over all seq_len rows, steps 2..K
     (K = ``num_speculative_tokens``) the layer over the anchor rows only; the head runs on anchors * K rows;

@@ -24,14 +24,17 @@ from draft_opd_ray.config.schema import Config
 from draft_opd_ray.config.store import override_key_error, register_configs, resumed_config, to_config
 from draft_opd_ray.errors import DraftOPDError, RunError
 from draft_opd_ray.placement import PlacementPlan
-from draft_opd_ray.preflight import check_resumable, check_run_dir, validate
+from draft_opd_ray.preflight import check_resumable, check_run_dir, size, validate
+from draft_opd_ray.sizing import Derived
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
-def describe(cfg: Config, plan: PlacementPlan) -> str:
+def describe(cfg: Config, plan: PlacementPlan, sized: list[Derived] | None = None) -> str:
+    """What the run will do, before it starts: stages, models, objective, the teacher's source, what was sized
+    from the target's files (``sized``: `preflight.size`) and the placement plan."""
     d = cfg.draft
     head = [
         f"stages: {', '.join(cfg.stages)}",
@@ -51,6 +54,10 @@ def describe(cfg: Config, plan: PlacementPlan) -> str:
                 cfg.teacher, cfg.loss, cfg.replay, d.kind, k.features_from_drafter, k.feature_conditioned
             )
         )
+    if sized:
+        from draft_opd_ray.sizing import render
+
+        head.append(render(sized))
     return "\n".join(head) + "\n" + plan.render()
 
 
@@ -71,6 +78,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
         # `.../latest/draft` as the step it names now, for every check, actor and vLLM engine of the run
         if cfg.draft.path is not None:
             cfg.draft.path = real_path(cfg.draft.path)
+        sized = size(cfg)
         plan = validate(cfg)
     except (DraftOPDError, OmegaConfBaseException) as e:
         if str(hc.output_subdir).startswith(
@@ -86,17 +94,22 @@ def _hydra_main(dcfg: DictConfig) -> None:
                 log_file.unlink()
             _stop(e, EXIT_BAD_INPUT, None)
         _stop(e, EXIT_BAD_INPUT, run_dir)
-    print(describe(cfg, plan), flush=True)
+    print(describe(cfg, plan, sized), flush=True)
     if cfg.dry_run:
         remove_untouched_run_dir(run_dir)
         if str(hc.mode) == "RunMode.MULTIRUN":  # the sweep dir, where Hydra wrote multirun.yaml at start
             remove_untouched_sweep_dir(Path(hc.sweep.dir))
         return
+    from draft_opd_ray.logs import quiet, summary
+
+    quiet(run_dir, cfg.verbose, cpu_only=plan.gpus_used() == 0)  # before anything imports vLLM
     from draft_opd_ray.driver import run
 
     try:
         check_run_dir(cfg, run_dir)
         run(cfg, plan, run_dir=str(run_dir))
+        if (line := summary()) is not None:
+            print(f"  {line}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`ray job stop`): Ray is shut down by now
         _stop(interrupted(run_dir), EXIT_INTERRUPTED, run_dir, prefix="interrupted")
     except Exception as e:  # noqa: BLE001 - user errors and run failures become one line; the rest propagates
@@ -149,7 +162,8 @@ def _stop(e: BaseException | str, code: int, run_dir: Path | None, prefix: str =
     sys.exit(code)
 
 
-HYDRA_FILES = {".hydra", "main.log"}
+# what Hydra writes at start, and the libraries' log folder a quiet run opens before its first stage (logs.py)
+HYDRA_FILES = {".hydra", "main.log", "logs"}
 
 
 def remove_untouched_run_dir(run_dir: Path) -> bool:
@@ -163,6 +177,8 @@ def remove_untouched_run_dir(run_dir: Path) -> bool:
     parent = run_dir.parent
     if parent.parent.name == "outputs" and parent.is_dir() and not any(parent.iterdir()):
         parent.rmdir()
+        with contextlib.suppress(OSError):
+            parent.parent.rmdir()  # `outputs/` itself, if that was all it held
     return True
 
 

@@ -12,12 +12,20 @@ requested actor is placed or the plan raises ConfigError naming the shortfall.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from draft_opd_ray.config.schema import ClusterConfig, Config
 from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
 
 ROLLOUT, REPLAY, LEARNER, DRIVER = "rollout", "replay", "learner", "driver"
+
+
+class Reservation(Protocol):
+    """Ray actor options bound to the placement plan's bundle of ``(role, index)`` (`cluster.Reservation` is
+    the real one)."""
+
+    def options(self, role: str, index: int) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

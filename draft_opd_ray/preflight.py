@@ -1,17 +1,22 @@
 """Preflight: checks a run against its data, models, placement and serving engine before Ray starts or a model
 loads (each config node checks its own fields in `config/schema.py`; what spans nodes or touches files is here).
 
-Cheap by construction: reads config.json files and prompt-file headers, never weights.
+Cheap by construction: reads config.json files, safetensors headers and prompt-file headers, never weights.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draft_opd_ray.config.schema import Config, eval_sets
 from draft_opd_ray.drafts.registry import draft_kind
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.placement import PlacementPlan, plan_for
+from draft_opd_ray.sizing import Derived, needed_len, size_from_target
+
+if TYPE_CHECKING:
+    from draft_opd_ray.models.target import TargetInfo
 
 
 def _check_draft(cfg: Config) -> None:
@@ -19,6 +24,9 @@ def _check_draft(cfg: Config) -> None:
     draft_kind(d.kind).check_config(d)  # an unknown kind first: `draft.kind: must be one of [...]`
     if d.path is not None and not Path(d.path).is_dir():
         raise ConfigError(f"draft.path: directory not found: {d.path}")
+    start = cfg.sft.study.start_from
+    if "sft" in cfg.stages and start is not None and not Path(start).is_dir():
+        raise ConfigError(f"sft.study.start_from: directory not found: {start}")
     if "eval" in cfg.stages and "sft" not in cfg.stages and "opd" not in cfg.stages and d.path is None:
         raise ConfigError(
             "draft.path: stages=[eval] evaluates an existing draft; set draft.path=<draft folder>"
@@ -27,11 +35,49 @@ def _check_draft(cfg: Config) -> None:
 
 def _check_draft_against_target(cfg: Config) -> None:
     """What the target's config.json can refute (the embedded target's shape is known without converting it):
-    draft sizing, lengths, the teacher's top-k, a draft folder made for another target or kind, and whether the
-    serving engine can serve this draft kind for the target's architecture."""
+    draft sizing, lengths, the teacher's top-k, a draft folder the run loads (`_drafts_loaded`) made for another
+    target or kind or whose weights are damaged or not the kind's (`DraftKind.check_folder`: safetensors headers
+    only), and whether the serving engine can serve this draft kind for the target's architecture."""
+    from draft_opd_ray.rollout.support import check_engine_serves
+
+    info = _target_info(cfg)
+    kind = draft_kind(cfg.draft.kind)
+    kind.check_fits(cfg.draft, info.num_layers, info.vocab_size)
+    top = info.max_position_embeddings
+    if top is not None and cfg.target.model_len() > top:
+        raise ConfigError(
+            f"target.max_model_len: {cfg.target.max_model_len} is beyond what the target supports "
+            f"(max_position_embeddings {top})"
+        )
+    vd = kind.vocabulary(cfg.draft, info.vocab_size)
+    if cfg.teacher.topk is not None and cfg.teacher.topk > vd:
+        raise ConfigError(f"teacher.topk: {cfg.teacher.topk} exceeds the draft vocabulary ({vd} tokens)")
+    for key, folder in _drafts_loaded(cfg):
+        kind.check_folder(info, folder, key)
+    check_engine_serves(cfg.draft.kind, info.architectures, cache_dir(cfg))
+
+
+def _drafts_loaded(cfg: Config) -> list[tuple[str, str]]:
+    """The exported draft folders the run will load, by the config key that names each: `draft.path` (the opd
+    stage's start, or what stages=[eval] evaluates), the draft the sft stage continues (`sft.study.start_from`)
+    and, for `resume=<run dir>`, the draft of the opd checkpoint the opd stage continues from (an sft checkpoint
+    resumes from its DeepSpeed state, not from a draft folder)."""
+    from draft_opd_ray.checkpoint import latest_checkpoint
+
+    out = [("draft.path", cfg.draft.path)] if cfg.draft.path is not None else []
+    if "sft" in cfg.stages and cfg.sft.study.start_from is not None:
+        out.append(("sft.study.start_from", cfg.sft.study.start_from))
+    if cfg.resume and "opd" in cfg.stages:
+        last = latest_checkpoint(Path(cfg.resume) / "checkpoints" / "opd", "training_state.pt")
+        if last is not None:
+            out.append(("resume", str(last / "draft")))
+    return out
+
+
+def _target_info(cfg: Config) -> TargetInfo:
+    """The target's `TargetInfo` from its config.json (the embedded target's without converting it)."""
     from draft_opd_ray.models.embedded import EMBEDDED_PREFIX, EMBEDDED_TARGET
     from draft_opd_ray.models.target import target_info_for_checks
-    from draft_opd_ray.rollout.support import check_engine_serves
 
     path = cfg.target.path
     if path.startswith(EMBEDDED_PREFIX) and path != EMBEDDED_TARGET:
@@ -40,21 +86,14 @@ def _check_draft_against_target(cfg: Config) -> None:
         raise ConfigError(
             f"target.path: directory not found: {path} (no model hub here; give a local folder)"
         )
-    info = target_info_for_checks(path, cache_dir(cfg))
-    kind = draft_kind(cfg.draft.kind)
-    kind.check_fits(cfg.draft, info.num_layers, info.vocab_size)
-    top = info.max_position_embeddings
-    if top is not None and cfg.target.max_model_len > top:
-        raise ConfigError(
-            f"target.max_model_len: {cfg.target.max_model_len} is beyond what the target supports "
-            f"(max_position_embeddings {top})"
-        )
-    vd = kind.vocabulary(cfg.draft, info.vocab_size)
-    if cfg.teacher.topk is not None and cfg.teacher.topk > vd:
-        raise ConfigError(f"teacher.topk: {cfg.teacher.topk} exceeds the draft vocabulary ({vd} tokens)")
-    if cfg.draft.path is not None:
-        kind.check_folder(info, cfg.draft.path)
-    check_engine_serves(cfg.draft.kind, info.architectures, cache_dir(cfg))
+    return target_info_for_checks(path, cache_dir(cfg))
+
+
+def size(cfg: Config) -> list[Derived]:
+    """Size the run from the target's files (`sizing.py`): what the config leaves unset is derived and written
+    into ``cfg``; returns every sized row for the dry run."""
+    info = _target_info(cfg)
+    return size_from_target(cfg, info, draft_kind(cfg.draft.kind).sizing(cfg.draft, info))
 
 
 def cache_dir(cfg: Config) -> Path:
@@ -90,12 +129,11 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_lengths(cfg: Config) -> None:
-    longest = max(cfg.data.train.max_prompt_tokens, cfg.data.eval.max_prompt_tokens)
-    gen = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens, cfg.sft.max_new_tokens)
-    if longest + gen + cfg.draft.num_speculative_tokens + 1 > cfg.target.max_model_len:
+    need, why = needed_len(cfg)
+    if need > cfg.target.model_len():
         raise ConfigError(
-            f"target.max_model_len: {cfg.target.max_model_len} is shorter than the longest prompt ({longest}) + "
-            f"new tokens ({gen}) + K + 1; raise target.max_model_len or lower data.*.max_prompt_tokens"
+            f"target.max_model_len: {cfg.target.max_model_len} is shorter than the run's longest sequence ({why}); "
+            "raise target.max_model_len (or leave it unset: sized from the run) or lower data.*.max_prompt_tokens"
         )
 
 
@@ -202,6 +240,8 @@ def validate(cfg: Config) -> PlacementPlan:
     _check_cluster(cfg)
     _check_wandb(cfg)
     _check_draft(cfg)
+    if cfg.target.max_model_len is None:  # main sized it already, to print the rows
+        size(cfg)
     _check_zero(cfg)
     _check_training(cfg)
     _check_lengths(cfg)

@@ -13,12 +13,9 @@ machine without GPUs: `driver.ray_stages`) they run in this process.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from draft_opd_ray.placement import ROLLOUT
-
-if TYPE_CHECKING:
-    from draft_opd_ray.sft.ranks import Reservation
+from draft_opd_ray.placement import ROLLOUT, Reservation
 
 T = TypeVar("T")
 

@@ -247,7 +247,7 @@ def captured_teacher(
     kc = cap.topk_ids.shape[-1]
     k = kc if topk is None else min(topk, kc)
     ids_np = np.asarray(cap.topk_ids, dtype=np.int64)
-    lps_np = np.asarray(cap.topk_logprobs, dtype=np.float32)
+    lps_np = np.array(cap.topk_logprobs, dtype=np.float32)  # a copy: Arrow's read-only buffers trouble torch
     N = len(cap.accepted)
     ids = torch.zeros(N, K, k, dtype=torch.long)
     lps = torch.full((N, K, k), -torch.inf)
@@ -257,7 +257,7 @@ def captured_teacher(
         ids[i, :v] = torch.from_numpy(ids_np[i, :v, :k])
         vals = torch.from_numpy(lps_np[i, :v])
         lps[i, :v] = vals[:, :k]
-        t = torch.from_numpy(np.asarray(cap.log_tail[i, :v], dtype=np.float32))
+        t = torch.from_numpy(np.array(cap.log_tail[i, :v], dtype=np.float32))
         tail[i, :v] = torch.cat([t[:, None], vals[:, k:]], -1).logsumexp(-1) if k < kc else t
     return ids, lps, tail, valid
 

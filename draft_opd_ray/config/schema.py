@@ -103,14 +103,27 @@ class TargetConfig:
         "embedded:smollm2-135m-instruct"  # or a local HF folder (config.json + safetensors + tokenizer)
     )
     dtype: str = "float32"  # float32 on CPU; bfloat16 on GPUs
-    max_model_len: int = 2048
+    # null = what the run's longest sequence needs, within the target's max_position_embeddings (sizing.py)
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, "target.dtype", ("float32", "bfloat16", "float16"))
-        _check(self.max_model_len >= 16, "target.max_model_len", f"must be >= 16, got {self.max_model_len}")
+        n = self.max_model_len
+        _check(n is None or n >= 16, "target.max_model_len", f"must be >= 16, got {n}")
+
+    def model_len(self) -> int:
+        """`max_model_len`, set or sized from the target (`preflight.size`, `driver.prepare_target`)."""
+        _check(
+            self.max_model_len is not None,
+            "target.max_model_len",
+            "not sized yet: set it, or size the config from its target first (driver.prepare_target)",
+        )
+        return int(self.max_model_len)  # type: ignore[arg-type]
 
 
 DEFAULT_DRAFT_VOCAB = 8192
+# EAGLE-3's released heads for 128k-152k vocabularies (Llama 3, Qwen 2.5/3) predict over 32,000 tokens
+LARGE_DRAFT_VOCAB, LARGE_VOCAB = 32_000, 100_000
 
 
 @dataclass
@@ -122,8 +135,9 @@ class DraftConfig:
     num_speculative_tokens: int = 4  # K: tokens proposed per verification step
     # eagle3
     aux_layer_ids: list[int] | None = None  # target layers whose inputs feed the head; None = (2, L/2, L-1)
-    # the most frequent response tokens; None = DEFAULT_DRAFT_VOCAB, or the target's whole vocabulary when that
-    # is smaller (docs/design.md, "Why the defaults")
+    # the most frequent response tokens; None = LARGE_DRAFT_VOCAB for a target vocabulary of LARGE_VOCAB or more,
+    # else DEFAULT_DRAFT_VOCAB or the target's whole vocabulary when that is smaller (docs/design.md, "Why the
+    # defaults")
     draft_vocab_size: int | None = None
     ttt_steps: int = 4  # training-time-test unroll depth (= K)
     ttt_decay: float = 0.8
@@ -157,6 +171,8 @@ class DraftConfig:
         """The draft vocabulary an EAGLE-3 head gets for a target of ``target_vocab`` tokens."""
         if self.draft_vocab_size is not None:
             return self.draft_vocab_size
+        if target_vocab >= LARGE_VOCAB:
+            return LARGE_DRAFT_VOCAB
         return min(DEFAULT_DRAFT_VOCAB, target_vocab)
 
 
@@ -528,6 +544,8 @@ class Config:
 
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     dry_run: bool = False
+    # the libraries' (vLLM, Ray, DeepSpeed) INFO lines and warnings on the console too; else in <run dir>/logs
+    verbose: bool = False
     resume: str | None = None  # a run dir to continue from its last complete checkpoint, with its own config
     seed: int = 0
     cache_dir: str | None = None  # converted target, warm starts; None = $DRAFT_OPD_RAY_CACHE or ~/.cache

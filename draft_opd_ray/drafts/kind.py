@@ -7,14 +7,15 @@ in `student.py`, the SFT recipe in `recipe.py`, the reference-engine drafter in 
 small function of the kind's own package, so that reading the table loads no torch), and the checks only that
 kind makes. Everything outside a kind's folder asks its `DraftKind`; no module compares kind names.
 
-This module reads config.json files only, never weights, and imports no torch.
+This module reads config.json files and safetensors headers (`models/safetensors_check.py`), never weights, and
+imports no torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.errors import ConfigError, ModelError
+from draft_opd_ray.models.safetensors_check import Layout, check_layout, folder_tensors
+from draft_opd_ray.sizing import Derived
 
 if TYPE_CHECKING:
     from draft_opd_ray.drafts.recipe import Recipe, RecipeInputs
@@ -62,6 +65,10 @@ def _target_vocabulary(_: DraftConfig, target_vocab: int) -> int:
     return target_vocab
 
 
+def _target_vocabulary_row(_: DraftConfig, target: Any) -> list[Derived]:
+    return [Derived("draft vocabulary", target.vocab_size, "the target's own (this kind predicts over it)")]
+
+
 @dataclass(frozen=True)
 class DraftKind:
     """One row of the table (`drafts/registry.py`)."""
@@ -84,10 +91,20 @@ class DraftKind:
     config_check: Callable[[DraftConfig], None] = _no_check  # what a DraftConfig refutes on its own
     # (draft, target layers, target vocabulary): layer ids and sizes the target's config.json refutes
     fits_check: Callable[[DraftConfig, int, int], None] = _no_check
-    # (folder, its config.json, the target's sizes): what an exported folder of this kind must agree on
-    folder_check: Callable[[PathLike, dict[str, Any], dict[str, Any]], None] = _no_check
+    # (folder, its config.json, the target's sizes, the config key naming the folder): what an exported folder of
+    # this kind must agree on
+    folder_check: Callable[[PathLike, dict[str, Any], dict[str, Any], str], None] = _no_check
+    # (its config.json, the target's sizes) -> the tensors an exported folder holds, by name, shape and dtype
+    # (`drafts/<kind>/layout.py`); None, or no function: its safetensors files are only checked to be whole
+    weights_layout: Callable[[dict[str, Any], dict[str, Any]], Layout | None] | None = None
+    # (its config.json, its tensor names) -> what a folder in another trainer's layout of this kind is and what to
+    # do with it, for the error line; None: not one it recognises
+    foreign_layout: Callable[[dict[str, Any], Collection[str]], str | None] = _no_check
     # (draft, target vocabulary) -> the vocabulary the draft predicts over
     draft_vocabulary: Callable[[DraftConfig, int], int] = _target_vocabulary
+    # (draft, the target's `TargetInfo`) -> the sizes the kind takes from the target, set or derived, with the
+    # reason (`sizing.Derived`), for the dry run
+    sizing: Callable[[DraftConfig, Any], list[Derived]] = _target_vocabulary_row
 
     # ---- the pieces ----------------------------------------------------------------------------------------------
 
@@ -143,39 +160,60 @@ class DraftKind:
         """The vocabulary the draft predicts over (the target's, unless the kind has its own)."""
         return self.draft_vocabulary(d, target_vocab)
 
-    def check_folder(self, target: Any, draft: PathLike) -> None:
-        """A draft folder made for this target and this kind (config.json only, no weights): the kind it was
-        exported as, the target's hidden size (a feature-conditioned draft) and depth it was made for, and what
-        the kind's own `folder_check` asks. ``target``: its folder, or its `TargetInfo`."""
-        d, t = _folder_config(draft), _target_sizes(target)
+    def check_folder(self, target: Any, draft: PathLike, key: str = "draft.path") -> None:
+        """A draft folder made for this target and this kind, before any engine loads it: its config.json (the kind
+        it was exported as, the target's hidden size (a feature-conditioned draft) and depth it was made for, what
+        the kind's own `folder_check` asks) and its safetensors files, from their headers alone (each file whole, a
+        layout of another trainer recognised, every tensor of the kind's `weights_layout` and no other). A folder
+        without safetensors files (a config-only stand-in) has its config.json checked only. ``target``: its
+        folder, or its `TargetInfo`; ``key``: the config key that names ``draft``, which starts the error line."""
+        d, t = _folder_config(draft, key), _target_sizes(target)
         made = d.get("draft_opd", {})
         if made.get("kind") not in (None, self.name):
             raise ModelError(
-                f"draft.path: {draft} holds a draft of kind {made['kind']!r}, but draft.kind={self.name}"
+                f"{key}: {draft} holds a draft of kind {made['kind']!r}, but draft.kind={self.name}"
             )
+        tensors = folder_tensors(Path(draft), key)
+        foreign = self.foreign_layout(d, tensors or {})
+        if foreign:
+            raise ModelError(f"{key}: {draft} is {foreign}")
         if self.feature_conditioned:
             th, dh = t.get("hidden_size"), d.get("target_hidden_size", d.get("hidden_size"))
             if th != dh:
                 raise ModelError(
-                    f"draft.path: the draft was made for a target of hidden size {dh}; this target's is {th} "
+                    f"{key}: the draft was made for a target of hidden size {dh}; this target's is {th} "
                     "(a draft of another target)"
                 )
         if made.get("target_num_layers") not in (None, t.get("num_hidden_layers")):
             raise ModelError(
-                f"draft.path: the draft was made for a target of {made['target_num_layers']} layers; this "
+                f"{key}: the draft was made for a target of {made['target_num_layers']} layers; this "
                 f"target has {t.get('num_hidden_layers')} (a draft of another target)"
             )
-        self.folder_check(draft, d, t)
+        self.folder_check(draft, d, t, key)
+        if tensors is not None and (layout := self._layout(d, t, draft, key)) is not None:
+            check_layout(tensors, layout, Path(draft), key)
+
+    def _layout(self, d: dict[str, Any], t: dict[str, Any], draft: PathLike, key: str) -> Layout | None:
+        """The kind's `weights_layout` of a folder's config.json; a config.json without the sizes it reads is one
+        ModelError line."""
+        if self.weights_layout is None:
+            return None
+        try:
+            return self.weights_layout(d, t)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelError(
+                f"{key}: {Path(draft) / 'config.json'} lacks a size the {self.name} weights check reads ({e!r})"
+            ) from None
 
 
-def _folder_config(draft: PathLike) -> dict[str, Any]:
+def _folder_config(draft: PathLike, key: str) -> dict[str, Any]:
     cfg_path = Path(draft) / "config.json"
     if not cfg_path.is_file():
-        raise ModelError(f"draft.path: {draft} has no config.json (not an exported draft folder)")
+        raise ModelError(f"{key}: {draft} has no config.json (not an exported draft folder)")
     try:
         return json.loads(cfg_path.read_text())  # type: ignore[no-any-return]
     except ValueError as e:
-        raise ModelError(f"draft.path: {cfg_path} is not valid JSON ({e})") from None
+        raise ModelError(f"{key}: {cfg_path} is not valid JSON ({e})") from None
 
 
 def _target_sizes(target: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from draft_opd_ray.config.schema import DraftConfig, RolloutConfig, TargetConfig
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.drafts import registry
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.logs import tqdm_on_load
 from draft_opd_ray.rollout.worker_ext import EXTENSION
 from draft_opd_ray.sync import receiver as receiving
 from draft_opd_ray.sync.refit import RefitAck
@@ -129,6 +130,8 @@ def _engine_kwargs(
             print("[engine] anchor recording: async_scheduling=False (synchronous scheduling)", flush=True)
         if extension:
             kwargs["worker_extension_cls"] = EXTENSION
+    if not tqdm_on_load():  # a quiet run: no weight-loading bars (logs.py)
+        kwargs["use_tqdm_on_load"] = False
     if run.weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": run.weight_transfer}
     if run.tensor_parallel > 1:  # the actor owns its GPUs: vLLM's Ray executor would refuse its bundle
@@ -190,14 +193,14 @@ class SpecDecodeEngine:
         self.spec_config = spec
         self.target = str(run.target)
         self.draft_kind = draft_kind
-        self.max_model_len = target.max_model_len
+        self.max_model_len = target.model_len()
         self.record = run.record and spec is not None
         kwargs = _engine_kwargs(spec, self.record, draft_kind in registry.KINDS, run)
         with _env("VLLM_CPU_OMP_THREADS_BIND", run.cpu_bind):
             self.llm = LLM(
                 self.target,
                 dtype=resolve_dtype(run.dtype or target.dtype),  # type: ignore[arg-type]
-                max_model_len=target.max_model_len,
+                max_model_len=self.max_model_len,
                 enforce_eager=needs_eager(),
                 tensor_parallel_size=run.tensor_parallel,
                 seed=run.seed,

@@ -19,17 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from draft_opd_ray.errors import RunError
-from draft_opd_ray.placement import LEARNER
+from draft_opd_ray.placement import LEARNER, Reservation
 from draft_opd_ray.waits import timeout_s, wait_for
-
-
-class Reservation(Protocol):
-    """Ray actor options bound to the placement plan's bundle of ``(role, index)``."""
-
-    def options(self, role: str, index: int) -> dict[str, Any]: ...
 
 
 class SFTRank:

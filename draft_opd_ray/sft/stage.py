@@ -22,7 +22,7 @@ from typing import Any
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.device import resolve_dtype
 from draft_opd_ray.distributed import release_process_group
-from draft_opd_ray.sft.ranks import Reservation
+from draft_opd_ray.placement import Reservation
 
 
 def _sft_key(cfg: Config) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""The README's commands work as written. Every command line of its ```bash blocks, and every command it quotes in
-the text (`python ...`, `make ...`, `launch/...`, `scripts/...`), has a row in `COMMANDS`: run as written, run as a
-variant (a dry run, `--help`, a placeholder such as `outputs/...` or `/models/Qwen3-8B` filled with a folder made
-here), or skipped with the reason. A README command without a row, or a row whose command left the README, fails
-`test_every_readme_command_has_a_row`; each row that runs is one case of `test_readme_command`, named by its
-README line, which prints that line and what ran.
+"""The commands of the pages a user reads (README, docs/usage.md, docs/cluster.md) work as written. Every command
+line of their ```bash blocks, and every command they quote in the text (`python ...`, `make ...`, `launch/...`,
+`scripts/...`, `ray ...`), has a row in `COMMANDS`: run as written, run as a variant (a dry run, `--help`, a
+placeholder such as `outputs/...` or `/models/Llama-3.1-8B-Instruct` filled with a folder made here), or skipped
+with the reason. A command without a row, or a row whose command left every page, fails
+`test_every_readme_command_has_a_row`; each row that runs is one case of `test_readme_command`, named by its line,
+which prints that line and what ran.
 
 The run dir the eval and resume lines read (`outputs/2026-12-01/10-00-00`, the README's example) is written here by
 the checkpoint writer the stages use (`write_checkpoint`: `checkpoints/opd/step_<n>/` with a draft folder's
@@ -27,6 +28,7 @@ import pytest
 from tests import helpers
 
 README = helpers.REPO / "README.md"
+PAGES = [README, helpers.REPO / "docs" / "usage.md", helpers.REPO / "docs" / "cluster.md"]
 RUN = "outputs/2026-12-01/10-00-00"  # the README's example run dir, made by `work`
 NO_GPU = shutil.which("nvidia-smi") is None
 # a case's budget: a dry run takes seconds, the first engine-support query imports vLLM's registry once
@@ -69,12 +71,74 @@ COMMANDS: dict[str, Row] = {
     "python -m draft_opd_ray.main +cluster=8xA100 dry_run=true": Row(
         shows=("placement plan for cluster '8xA100'",)
     ),
-    "python -m draft_opd_ray.main +cluster=8xA100 target.path=/models/Qwen3-8B draft=eagle3": Row(
-        run="python -m draft_opd_ray.main +cluster=8xA100 target.path={WORK}/models/Qwen3-8B draft=eagle3 "
-        "dry_run=true",
-        why="no Qwen3-8B here: its config.json (what validation reads) in a folder, and a dry run",
-        shows=("placement plan for cluster '8xA100'",),
+    "python -m draft_opd_ray.main +cluster=8xA100 target.path=/models/Llama-3.1-8B-Instruct dry_run=true": Row(
+        run="python -m draft_opd_ray.main +cluster=8xA100 target.path={WORK}/models/Llama-3.1-8B-Instruct dry_run=true",
+        why="no Llama-3.1-8B here: its config.json and generation_config.json (what validation reads) in a folder",
+        shows=(
+            "placement plan for cluster '8xA100'",
+            "draft.draft_vocab_size 32000",
+            "draft.aux_layer_ids [2, 16, 31]",
+            "stop ids [128001, 128008, 128009]",
+        ),
     ),
+    "python -m draft_opd_ray.main +cluster=8xA100 target.path=/models/Llama-3.1-8B-Instruct": Row(
+        run="python -m draft_opd_ray.main +cluster=8xA100 target.path={WORK}/models/Llama-3.1-8B-Instruct dry_run=true",
+        why="an 8-GPU run: its dry run on the config-only Llama folder",
+        shows=("placement plan for cluster '8xA100'", "target.max_model_len 1024"),
+    ),
+    "python -m draft_opd_ray.main +cluster=8xA100 target.path=/models/Llama-3.1-8B-Instruct stages=[opd,eval] "
+    "draft.path=/drafts/llama31-eagle3": Row(
+        run="python -m draft_opd_ray.main +cluster=8xA100 target.path={WORK}/models/Llama-3.1-8B-Instruct "
+        "stages=[opd,eval] draft.path={WORK}/drafts/llama31-eagle3 dry_run=true",
+        why="the user's EAGLE-3 head for Llama: its config.json in a folder, and a dry run",
+        shows=("from {WORK}/drafts/llama31-eagle3", "placement plan for cluster '8xA100'"),
+    ),
+    "vllm serve /models/Llama-3.1-8B-Instruct --speculative-config "
+    """'{"method":"eagle3","model":"RUN/checkpoints/opd/latest/draft","num_speculative_tokens":4}'""": skip(
+        "stock vLLM's server on an 8B target; tests/integration/test_serve_vllm.py serves exported drafts with "
+        "vLLM's engine and checks the answers equal plain decoding"
+    ),
+    "vllm serve <target folder> --speculative-config "
+    """'{"method":"eagle3","model":"<run dir>/checkpoints/opd/latest/draft","num_speculative_tokens":4}'""": skip(
+        "the same stock command with placeholders (the line above)"
+    ),
+    "python -m draft_opd_ray.check_teacher": skip(
+        "rolls a few MT-Bench prompts out with capture and replays them: minutes; "
+        "tests/integration/test_verify_capture_vllm.py holds the capture to the replay on 3 prompts"
+    ),
+    "scripts/setup.sh --dry-run": Row(
+        why="prints the flavour and the pip commands, installs nothing", where="repo", shows=("[setup]",)
+    ),
+    "scripts/setup.sh cpu": skip("installs packages (the CPU flavour named)"),
+    "python -m draft_opd_ray.main resume=<run dir>": Row(
+        run="python -m draft_opd_ray.main resume={WORK}/" + RUN + " dry_run=true",
+        why="the placeholder filled with the run dir made here, as a dry run",
+        shows=("placement plan",),
+    ),
+    "python -m draft_opd_ray.compare RUN_DIR...|results/<study>": skip(
+        "the forms in one synopsis; `python -m draft_opd_ray.compare results/default_controls` runs"
+    ),
+    "python -m draft_opd_ray.main [+cluster=NAME] [group=option ...] [key=value ...]": skip(
+        "the usage synopsis; `--help` prints it"
+    ),
+    'make run ARGS="opd.steps=3"': Row(
+        run='make -s -n -C {REPO} run PY=python ARGS="opd.steps=3"',
+        why="the default run with an override: its recipe as make prints it",
+        shows=("python -m draft_opd_ray.main opd.steps=3",),
+    ),
+    "launch/gpu_smoke.sh --dry-run": Row(
+        why="prints every stage's command and runs it with dry_run=true (no GPU needed)",
+        where="repo",
+        shows=("placement plan",),
+    ),
+    "ray start": skip("Ray's own CLI: starts a node of a real cluster"),
+    "ray start --head": skip("Ray's own CLI: starts a cluster's head node"),
+    "ray start --address=<head>:6379": skip("Ray's own CLI: joins a node to a real cluster"),
+    "ray job logs -f <submission id>": skip("Ray's own CLI against a running job"),
+    "ray job stop <submission id>": skip(
+        "Ray's own CLI against a running job; tests/e2e/test_resume_exact.py sends its SIGTERM"
+    ),
+    "launch/local_cluster.sh": skip("the script's name; its start and stop lines have rows"),
     "python -m draft_opd_ray.main -m loss.gamma=0.6,0.8,0.9 anchor.policy=error,all": Row(
         run="{LINE} dry_run=true",
         why="six full runs; each job of the sweep validated and planned",
@@ -130,16 +194,6 @@ COMMANDS: dict[str, Row] = {
         where="repo",
         shows=("Primary endpoint", "opd − sft", "80 prompts"),
     ),
-    "bash bench/gpu_study.sh --dry-run": Row(
-        run="bash bench/gpu_study.sh --plan",
-        why="the 58 jobs' dry runs take minutes (tests/unit/test_gpu_study_dry_run.py, slow, runs them all): "
-        "the plan they are made from",
-        where="repo",
-        shows=("58 jobs", "primary endpoint"),
-    ),
-    "KIND=standalone bash bench/plateau_study.sh": skip(
-        "a kind's whole study: hours (`bench/study.py` runs it)"
-    ),
     "--help": Row(
         run="python -m draft_opd_ray.main --help",
         why="the README's `--help`",
@@ -175,9 +229,6 @@ COMMANDS: dict[str, Row] = {
     ),
     "make bench": skip("benchmarks P0-P7: slow, meant for a quiet machine"),
     "python -m pytest -m slow tests/e2e/test_qwen3_e2e.py": skip("3-6 min: part of `make test-slow`"),
-    "ray job stop": skip(
-        "Ray's own CLI against a running job; tests/e2e/test_resume_exact.py sends its SIGTERM"
-    ),
 }
 
 # A command quoted in the text: a code span that starts with one of these (the rest of the spans are keys, paths,
@@ -195,12 +246,13 @@ def readme_commands(text: str) -> list[str]:
 
 
 def test_every_readme_command_has_a_row() -> None:
-    found = readme_commands(README.read_text())
-    assert len(found) >= 20  # the parser still finds the blocks
+    per_page = {p.name: readme_commands(p.read_text()) for p in PAGES}
+    assert all(len(found) >= 15 for found in per_page.values()), per_page  # the parser still finds the blocks
+    found = list(dict.fromkeys(c for cs in per_page.values() for c in cs))
     new = [c for c in found if c not in COMMANDS]
-    assert not new, f"README commands with no row in COMMANDS (run, variant or skip with a reason): {new}"
+    assert not new, f"commands with no row in COMMANDS (run, variant or skip with a reason): {new}"
     gone = [c for c in COMMANDS if c not in found]
-    assert not gone, f"rows of COMMANDS no longer in the README: {gone}"
+    assert not gone, f"rows of COMMANDS no longer on any page: {gone}"
     for line, row in COMMANDS.items():
         assert row.run == "" or row.why, f"{line}: a variant or a skip says why"
         how = "skipped" if row.run is None else "as written" if row.run == "" else "variant"
@@ -236,29 +288,40 @@ def _draft_config(folder: Path, kind: str) -> Path:
     return folder
 
 
-QWEN3_8B = {  # Qwen3-8B's config.json, the fields validation reads
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-}
+def _llama31_8b(folder: Path) -> None:
+    """Llama-3.1-8B-Instruct's public config.json (bench/gpu_study.yaml keeps it) and generation_config.json."""
+    import yaml
+
+    study = yaml.safe_load((helpers.REPO / "bench" / "gpu_study.yaml").read_text())
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(study["targets"]["llama31_8b"]["config"]))
+    gen = {"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+
+
+def _llama_eagle3_config(folder: Path) -> None:
+    """An EAGLE-3 head's config.json made for Llama-3.1-8B (32 layers, hidden 4096, a 32k draft vocabulary)."""
+    folder.mkdir(parents=True)
+    cfg = {
+        "hidden_size": 4096,
+        "target_hidden_size": 4096,
+        "vocab_size": 128256,
+        "draft_vocab_size": 32000,
+        "draft_opd": {"kind": "eagle3", "target_num_layers": 32},
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The working dir of the `work` rows: the README's run dir, a Qwen3-8B config, a DFlash draft, study arms."""
+    """The working dir of the `work` rows: the README's run dir, a Llama-3.1-8B config with an EAGLE-3 head's, a
+    DFlash draft, study arms."""
     from tests.unit.test_compare import write_run
 
     w = tmp_path_factory.mktemp("readme")
     _write_run(w / RUN, steps=2)
-    (w / "models" / "Qwen3-8B").mkdir(parents=True)
-    (w / "models" / "Qwen3-8B" / "config.json").write_text(json.dumps(QWEN3_8B))
+    _llama31_8b(w / "models" / "Llama-3.1-8B-Instruct")
+    _llama_eagle3_config(w / "drafts" / "llama31-eagle3")
     _draft_config(w / "drafts" / "my-dflash", "dflash")
     arms = w / "runs" / "study" / "eagle3" / "arms"
     counts = {"opd": [(10, 9), (8, 6), (12, 8)], "sft": [(10, 7), (8, 6), (12, 7)]}

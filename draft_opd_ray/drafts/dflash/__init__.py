@@ -6,6 +6,7 @@ engine)."""
 from __future__ import annotations
 
 from draft_opd_ray.config.schema import DraftConfig
+from draft_opd_ray.drafts.dflash import layout
 from draft_opd_ray.drafts.kind import DraftKind, Pieces
 from draft_opd_ray.errors import ConfigError
 
@@ -40,4 +41,5 @@ KIND = DraftKind(
     pieces=pieces,
     config_check=check_config,
     fits_check=check_fits,
+    weights_layout=layout.layout,
 )

@@ -8,6 +8,7 @@ from typing import Any
 
 from draft_opd_ray.config.schema import DraftConfig
 from draft_opd_ray.drafts.kind import DraftKind, PathLike, Pieces
+from draft_opd_ray.drafts.standalone import layout
 from draft_opd_ray.errors import ConfigError, ModelError
 
 
@@ -25,11 +26,11 @@ def check_fits(d: DraftConfig, num_layers: int, vocab_size: int) -> None:
         )
 
 
-def check_folder(_: PathLike, d: dict[str, Any], t: dict[str, Any]) -> None:
+def check_folder(_: PathLike, d: dict[str, Any], t: dict[str, Any], key: str) -> None:
     tv, dv = t.get("vocab_size"), d.get("vocab_size")
     if tv != dv:
         raise ModelError(
-            f"draft.path: draft vocabulary {dv} differs from the target's {tv}; a standalone draft "
+            f"{key}: draft vocabulary {dv} differs from the target's {tv}; a standalone draft "
             "must use the target's tokenizer"
         )
 
@@ -43,4 +44,5 @@ KIND = DraftKind(
     pieces=pieces,
     fits_check=check_fits,
     folder_check=check_folder,
+    weights_layout=layout.layout,
 )
