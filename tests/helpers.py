@@ -13,7 +13,9 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +396,44 @@ def run_main(*overrides: str, timeout: float = 120, **env: str) -> subprocess.Co
         text=True,
         timeout=timeout,
     )
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A command line main must refuse: its overrides (placeholders filled by `fill_names`), part of the one error
+    line, and whether the refusal is also checked as a dry run (``dry_run=true`` added)."""
+
+    overrides: tuple[str, ...]
+    fragment: str
+    dry: bool = True
+
+
+def fill_names(text: str, files: dict[str, Path]) -> str:
+    """``text`` with each placeholder name of ``files`` (longest first) replaced by its path."""
+    for name in sorted(files, key=len, reverse=True):
+        text = text.replace(name, str(files[name]))
+    return text
+
+
+def assert_refused(case: BadInput, files: dict[str, Path], run_dir: Path, seconds: float) -> None:
+    """``case`` through main: exit 2 within ``seconds``, one `error:` line holding its fragment, no traceback, no run
+    dir at ``run_dir`` (a resume's is its own), and nothing written into the folders of ``files``."""
+    overrides = [fill_names(o, files) for o in case.overrides]
+    resuming = any(o.startswith("resume=") for o in overrides)
+    extra = [] if resuming else [f"hydra.run.dir={run_dir}"]
+    before = {p: sorted(x.name for x in p.rglob("*")) for p in files.values() if p.is_dir()}
+    t0 = time.monotonic()
+    r = run_main(*overrides, *extra, *(["dry_run=true"] if case.dry else []), HYDRA_FULL_ERROR="0")
+    took = time.monotonic() - t0
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert fill_names(case.fragment, files) in err, err
+    assert "Traceback" not in r.stderr + r.stdout
+    assert took < seconds, took
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
+    after = {p: sorted(x.name for x in p.rglob("*")) for p in files.values() if p.is_dir()}
+    assert after == before  # nothing written into the folders it was pointed at (a resume's run dir included)
 
 
 @contextlib.contextmanager
