@@ -61,7 +61,7 @@ def test_eval_engine_serves_the_target_as_the_rollout_does(
 
     target, draft = tiny_pair
     cfg = Config()
-    cfg.target = dataclasses.replace(cfg.target, dtype="bfloat16")
+    cfg.target = dataclasses.replace(cfg.target, dtype="bfloat16", max_model_len=256)  # sized, as run() sizes it
     cfg.rollout = dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.85)
     cfg.cluster = dataclasses.replace(cfg.cluster, rollout_tensor_parallel=2)
     llm_calls.stop = True
@@ -70,4 +70,5 @@ def test_eval_engine_serves_the_target_as_the_rollout_does(
     ((model, kw),) = llm_calls.calls
     assert model == str(target)
     assert (kw["dtype"], kw["tensor_parallel_size"], kw["gpu_memory_utilization"]) == ("bfloat16", 2, 0.85)
+    assert kw["max_model_len"] == 256
     assert kw["distributed_executor_backend"] == "mp" and kw["async_scheduling"] is False
