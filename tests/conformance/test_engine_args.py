@@ -61,7 +61,9 @@ def test_eval_engine_serves_the_target_as_the_rollout_does(
 
     target, draft = tiny_pair
     cfg = Config()
-    cfg.target = dataclasses.replace(cfg.target, dtype="bfloat16", max_model_len=256)  # sized, as run() sizes it
+    cfg.target = dataclasses.replace(
+        cfg.target, dtype="bfloat16", max_model_len=256
+    )  # sized, as run() sizes it
     cfg.rollout = dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.85)
     cfg.cluster = dataclasses.replace(cfg.cluster, rollout_tensor_parallel=2)
     llm_calls.stop = True
