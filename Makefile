@@ -2,7 +2,7 @@
 PY ?= python3
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup run test test-fast test-slow lint format typecheck dry-run bench clean
+.PHONY: setup run serve test test-fast test-slow lint format typecheck dry-run bench clean
 
 setup:
 	PYTHON=$(PY) bash scripts/setup.sh
@@ -10,6 +10,11 @@ setup:
 # ARGS: Hydra overrides, e.g. make run ARGS="opd.steps=3 eval.extra_sets=[validation]"
 run: setup
 	$(PY) -m draft_opd_ray.main $(ARGS)
+
+# vLLM's OpenAI server on the target and the draft, the draft learning from the traffic it verifies
+# (docs/usage.md, "Serve and learn"); ARGS as for run, e.g. make serve ARGS="serve.port=8001"
+serve: setup
+	$(PY) -m draft_opd_ray.serve $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check draft_opd_ray tests bench

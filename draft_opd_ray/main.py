@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -80,6 +82,8 @@ def _hydra_main(dcfg: DictConfig) -> None:
             cfg.draft.path = real_path(cfg.draft.path)
         sized = size(cfg)
         plan = validate(cfg)
+        if _ENTRY is not None:
+            _ENTRY.check(cfg)
     except (DraftOPDError, OmegaConfBaseException) as e:
         if str(hc.output_subdir).startswith(
             ".hydra/resume-"
@@ -94,7 +98,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
                 log_file.unlink()
             _stop(e, EXIT_BAD_INPUT, None)
         _stop(e, EXIT_BAD_INPUT, run_dir)
-    print(describe(cfg, plan, sized), flush=True)
+    print(describe(cfg, plan, sized) if _ENTRY is None else _ENTRY.describe(cfg, sized), flush=True)
     if cfg.dry_run:
         remove_untouched_run_dir(run_dir)
         if str(hc.mode) == "RunMode.MULTIRUN":  # the sweep dir, where Hydra wrote multirun.yaml at start
@@ -107,6 +111,9 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
     try:
         check_run_dir(cfg, run_dir)
+        if _ENTRY is not None:
+            _ENTRY.run(cfg, str(run_dir))  # a server: until Ctrl-C or SIGTERM, which it takes to stop cleanly
+            raise KeyboardInterrupt
         run(cfg, plan, run_dir=str(run_dir))
         if (line := summary()) is not None:
             print(f"  {line}", flush=True)
@@ -139,6 +146,9 @@ def interrupted(run_dir: Path) -> str:
     """What an interrupted run keeps: its last complete checkpoint and how to continue from it, or that there is
     none (a run stopped before its first checkpoint starts again from the beginning)."""
     from draft_opd_ray.checkpoint import latest_checkpoint
+
+    if _ENTRY is not None:
+        return _ENTRY.stopped(run_dir)
 
     kept = [
         f"checkpoints/{stage}/{last.name}"
@@ -230,6 +240,21 @@ class _HeldStderr(io.TextIOBase):
 _TAP: _HeldStderr | None = None
 
 
+@dataclass(frozen=True)
+class Entry:
+    """Another command on the same config tree, overrides and checks (`python -m draft_opd_ray.serve`): its own
+    check after validation (before Hydra's run dir is used), its dry-run description, what it runs (until
+    interrupted) and its closing line."""
+
+    check: Callable[[Config], None]
+    describe: Callable[[Config, list[Derived] | None], str]
+    run: Callable[[Config, str], None]
+    stopped: Callable[[Path], str]
+
+
+_ENTRY: Entry | None = None  # None: the stages (`run`)
+
+
 def composition_error(text: str) -> str:
     """Hydra's multi-line composition error as one line that starts with the key (its `full_key`), or the group
     and its options for a group option that does not exist."""
@@ -252,9 +277,12 @@ def composition_error(text: str) -> str:
     return f"{key}: {msg}" if key else msg
 
 
-def main() -> None:
-    global _TAP
+def main(entry: Entry | None = None) -> None:
+    """``entry``: None for the stages, else another command on the same config (`serve/__main__.py`)."""
+    global _TAP, _ENTRY
     import signal
+
+    _ENTRY = entry
 
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM stops a run as Ctrl-C does
         signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -92,6 +92,11 @@ class CapturedSteps:
     # where the engine captured them (EAGLE-3: `verify_capture.FeatureTap`); None otherwise
     features: torch.Tensor | None = None
     feature_seen: np.ndarray | None = None
+    # the request's prompt, on the capture that holds its first steps (a server's traffic: `records_from_capture`)
+    prompt_ids: list[int] | None = None
+    # anchor_ids[i]: the committed token at anchor_pos[i], the one row 0 of step i scores (the first is the token
+    # sampled at prefill, each next one the previous step's bonus or correction)
+    anchor_ids: list[int] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -110,6 +115,67 @@ class CapturedSteps:
             self.grammar,
             self.features,  # by position: the whole request's
             self.feature_seen,
+            anchor_ids=None if self.anchor_ids is None else [self.anchor_ids[i] for i in idx],
+        )
+
+    def then(self, later: CapturedSteps) -> CapturedSteps:
+        """This request's steps followed by its ``later`` ones (a capture taken while the request ran on): the
+        step lists joined, the teacher rows padded to the longer block, the feature rows by position (``later``'s
+        where it computed them)."""
+        rows = max(self.topk_ids.shape[1], later.topk_ids.shape[1])
+
+        def pad(a: np.ndarray, fill: float) -> np.ndarray:
+            width = [(0, 0), (0, rows - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
+            return np.pad(a, width, constant_values=fill)
+
+        features, seen = self.features, self.feature_seen
+        if later.features is not None and later.feature_seen is not None:
+            if features is None or seen is None:
+                features, seen = later.features, later.feature_seen
+            else:
+                size = max(len(seen), len(later.feature_seen))
+                merged = torch.zeros(size, features.shape[-1], dtype=features.dtype)
+                merged[: len(seen)] = features
+                new = torch.as_tensor(later.feature_seen)
+                merged[: len(new)][new] = later.features[new]
+                seen = np.pad(seen, (0, size - len(seen))) | np.pad(later.feature_seen, (0, size - len(new)))
+                features = merged
+        both = self.anchor_ids is not None and later.anchor_ids is not None
+        return CapturedSteps(
+            self.anchor_pos + later.anchor_pos,
+            self.drafted + later.drafted,
+            self.accepted + later.accepted,
+            np.concatenate([pad(self.topk_ids, 0), pad(later.topk_ids, 0)]),
+            np.concatenate([pad(self.topk_logprobs, -np.inf), pad(later.topk_logprobs, -np.inf)]),
+            np.concatenate([pad(self.log_tail, -np.inf), pad(later.log_tail, -np.inf)]),
+            self.grammar or later.grammar,
+            features,
+            seen,
+            self.prompt_ids if self.prompt_ids is not None else later.prompt_ids,
+            (self.anchor_ids or []) + (later.anchor_ids or []) if both else None,
+        )
+
+    def record(self, request_id: str, version: int) -> RequestRecord:
+        """The request these steps verified, as a rollout record served by draft ``version``: its prompt, the
+        response its steps committed (each step's committed token and accepted drafts; the last step's bonus
+        token is not captured, so the response stops before it) and the steps, with this capture as its teacher.
+        Needs `prompt_ids` and `anchor_ids` (`rollout/verify_capture.py` keeps both)."""
+        if self.prompt_ids is None or self.anchor_ids is None:
+            raise ValueError(f"request {request_id}: captured steps without its prompt or committed tokens")
+        response: list[int] = []
+        for tok, d, a in zip(self.anchor_ids, self.drafted, self.accepted):
+            response += [tok, *d[:a]]
+        return RequestRecord(
+            list(self.prompt_ids),
+            response,
+            list(self.anchor_pos),
+            [list(d) for d in self.drafted],
+            list(self.accepted),
+            [version] * self.num_steps,
+            [[] for _ in self.accepted],
+            request_id=request_id,
+            finish_reason="length",  # cut before the last bonus token: fewer tokens than the steps commit
+            captured=self,
         )
 
 

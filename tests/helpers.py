@@ -470,3 +470,39 @@ def anchor_subsets(item: ReplayItem) -> list[ReplayItem]:
         )
         for p in picks
     ]
+
+
+# ------------------------------------------------------------------------------------ HTTP servers (vLLM's, ours)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float, log: Path | None = None) -> None:
+    """Until ``url``/health answers 200; fails early when ``proc`` exits (with the end of ``log``)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log is not None else ""
+            raise AssertionError(f"server exited with {proc.returncode}\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"server at {url} not healthy after {timeout} s")
+
+
+def prom_counter(metrics: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples (every label set) in a `/metrics` page."""
+    import re
+
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, flags=re.M))

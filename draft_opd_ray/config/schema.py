@@ -535,6 +535,37 @@ class WandbConfig:
         _one_of(self.mode, "wandb.mode", ("offline", "online", "disabled"))
 
 
+@dataclass
+class ServeConfig:
+    """`python -m draft_opd_ray.serve`: vLLM's OpenAI-compatible server on the target and the draft, whose draft
+    learns Draft-OPD from the traffic it verifies (the teacher captured in the verification pass)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    learn: bool = True  # false: serve the draft as it is (the static baseline)
+    # completed requests of traffic per learner step (one new draft version, refit into the running server)
+    requests_per_update: int = 32
+    max_versions: int = 20  # the learner's budget (its lr schedule's length); the server serves on after it
+    poll_s: float = 2.0  # how often the server's captured traffic is taken from the engine
+    # the guard (serve/guard.py): every holdout_every-th finished request is held back from training, the last
+    # guard_requests of them score each candidate against the serving draft; published when the lower end of the
+    # paired τ difference's 95% interval is >= -guard_margin (a negative margin asks for an improvement)
+    guard: bool = True
+    guard_margin: float = 0.02
+    guard_requests: int = 16
+    holdout_every: int = 4
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.port <= 65535, "serve.port", f"must be in [1, 65535], got {self.port}")
+        _check(self.guard_requests >= 1, "serve.guard_requests", "must be >= 1")
+        _check(
+            self.holdout_every >= 2, "serve.holdout_every", "must be >= 2 (1 would hold back every request)"
+        )
+        _check(self.requests_per_update >= 1, "serve.requests_per_update", "must be >= 1")
+        _check(self.max_versions >= 1, "serve.max_versions", "must be >= 1")
+        _check(self.poll_s > 0, "serve.poll_s", f"must be > 0, got {self.poll_s}")
+
+
 STAGES = ("sft", "opd", "eval")
 
 
@@ -565,6 +596,7 @@ class Config:
     opd: OPDConfig = field(default_factory=OPDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         _check(len(self.stages) >= 1, "stages", f"must name at least one of {list(STAGES)}")

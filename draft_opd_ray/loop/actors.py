@@ -256,7 +256,7 @@ def start_actors(
     workers = _rollout_workers(cfg, plan, target, draft_dir, opts, cpu)
     replay = ReplayGroup(
         [
-            _replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu_share(cfg, plan, s))
+            start_replay_actor(cfg, target, draft_dir, opts(REPLAY, s.index), cpu_share(cfg, plan, s))
             for s in plan.of(REPLAY)
         ],
         max_restarts=cfg.cluster.max_restarts,
@@ -341,7 +341,7 @@ def cpu_share(cfg: Config, plan: PlacementPlan, slot: ActorSlot) -> tuple[int, i
     return engines, sharers
 
 
-def _replay_actor(
+def start_replay_actor(
     cfg: Config, target: str, draft_dir: str, options: dict[str, Any], share: tuple[int, int] | None
 ) -> Any:
     import ray

@@ -63,6 +63,7 @@ class _Call:
     num_draft: list[int]  # per request, host
     rows: list[int]  # per request: first logits row (host)
     anchor: torch.Tensor  # (B,) positions of each request's first row
+    tokens: torch.Tensor  # (B,) the committed token each request's first row scores (x_n)
     drafted: torch.Tensor  # (sum num_draft,) flat
     vals: torch.Tensor  # (R, k)
     ids: torch.Tensor  # (R, k)
@@ -79,6 +80,10 @@ class VerifyCapture:
         self.runner, self.inner, self.topk, self.v2 = runner, inner, int(topk), v2
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(list(vocab_ids), dtype=torch.long)
         self.calls: list[_Call] = []
+        # each request's prompt ids, read from the runner when the request is first seen (`prompt_ids`) and handed
+        # out with its first steps: a server's traffic is known nowhere else in the engine's workers
+        self.prompts: dict[str, list[int] | torch.Tensor] = {}
+        self.handed: set[str] = set()  # requests whose prompt went out (forgotten once the runner drops them)
         # the target's feature rows the drafter was handed (`FeatureTap`), per request: (positions, rows) chunks
         self.features: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -109,12 +114,18 @@ class VerifyCapture:
         where = torch.as_tensor(first, device=logits.device)
         tokens = metadata.logits_indices.index_select(0, where.to(metadata.logits_indices.device))
         anchor = self.runner.positions.index_select(0, tokens.to(self.runner.positions.device).long())
+        committed = self.runner.input_ids.gpu.index_select(
+            0, tokens.to(self.runner.input_ids.gpu.device).long()
+        )
+        req_ids = list(batch.req_ids[: len(num_draft)])
+        self._see(req_ids)
         vals, ids, tail = teacher_rows(logits, self.topk, self._vocab(logits))
         return _Call(
-            list(batch.req_ids[: len(num_draft)]),
+            req_ids,
             num_draft,
             first.tolist(),
             anchor,
+            committed,
             metadata.draft_token_ids,
             vals,
             ids,
@@ -142,12 +153,16 @@ class VerifyCapture:
         is_draft[cu[1:] - 1] = False  # each request's last row is its bonus row
         draft_rows = torch.as_tensor(np.nonzero(is_draft)[0], device=idx.device)
         drafted = input_batch.input_ids.index_select(0, idx.index_select(0, draft_rows).long() + 1)
+        committed = input_batch.input_ids.index_select(0, idx.index_select(0, where).long())
+        req_ids = list(input_batch.req_ids[: input_batch.num_reqs])
+        self._see(req_ids)
         vals, ids, tail = teacher_rows(logits, self.topk, self._vocab(logits))
         return _Call(
-            list(input_batch.req_ids[: input_batch.num_reqs]),
+            req_ids,
             num_draft,
             first.tolist(),
             anchor,
+            committed,
             drafted,
             vals,
             ids,
@@ -155,6 +170,18 @@ class VerifyCapture:
             torch.empty(0),
             invalid_drafts is not None,
         )
+
+    def _see(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            if rid not in self.prompts and rid not in self.handed:
+                self.prompts[rid] = prompt_ids(self.runner, rid)
+
+    def _forget(self) -> None:
+        """Drop what is kept for requests the runner no longer holds (finished, aborted)."""
+        live = live_requests(self.runner)
+        self.handed &= live
+        for rid in [r for r in self.prompts if r not in live]:
+            del self.prompts[rid]
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.vocab_ids is not None and self.vocab_ids.device != logits.device:
@@ -173,9 +200,10 @@ class VerifyCapture:
     def take(self) -> dict[str, CapturedSteps]:
         """Every request's steps captured since the last `take` (vLLM's internal request ids), in step order; the
         capture starts empty again. The one host sync of the capture happens here."""
-        steps: dict[str, list[tuple[int, list[int], int, np.ndarray, np.ndarray, np.ndarray, bool]]] = {}
+        steps: dict[str, list[tuple[int, list[int], int, np.ndarray, np.ndarray, np.ndarray, bool, int]]] = {}
         for c in self.calls:
             anchor = c.anchor.cpu().tolist()
+            committed = c.tokens.cpu().tolist()
             drafted = c.drafted.cpu().tolist()
             accepted = c.accepted.cpu().tolist()
             vals, ids, tail = c.vals.cpu().numpy(), c.ids.cpu().numpy(), c.tail.cpu().numpy()
@@ -192,6 +220,7 @@ class VerifyCapture:
                             vals[rows],
                             tail[rows],
                             c.grammar,
+                            int(committed[b]),
                         )
                     )
                 d0 += nd
@@ -199,10 +228,19 @@ class VerifyCapture:
         if self.features and torch.cuda.is_available():
             torch.cuda.synchronize()  # the feature rows' non-blocking copies into pinned host memory are done
         out = {rid: _pack(s, self.topk) for rid, s in steps.items()}
+        for rid, got in out.items():  # the prompt goes out once, with a request's first steps
+            prompt = self.prompts.pop(rid, None)
+            if prompt is not None:
+                got.prompt_ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+                self.handed.add(rid)
+        self._forget()
         for rid, chunks in self.features.items():
             if rid in out:
                 out[rid].features, out[rid].feature_seen = _last_write(chunks)
-        self.features = {}
+        # a running request with rows but no step yet (its prefill came just before this take) keeps them for
+        # the take that has its first steps
+        live = live_requests(self.runner) if self.features else set()
+        self.features = {r: c for r, c in self.features.items() if r not in out and r in live}
         return out
 
 
@@ -271,6 +309,7 @@ def _pack(steps: list[tuple[Any, ...]], topk: int) -> CapturedSteps:
         vals,
         tail,
         any(s[6] for s in steps),
+        anchor_ids=[s[7] for s in steps],
     )
 
 
@@ -301,6 +340,28 @@ def install(runner: Any, topk: int, vocab_ids: Sequence[int] | None, features: b
     return capture
 
 
+def prompt_ids(runner: Any, rid: str) -> list[int] | torch.Tensor:
+    """Request ``rid``'s prompt ids as the runner holds them: V1's `requests[rid].prompt_token_ids` (a host list;
+    empty for a prompt given as embeddings), Model Runner V2's row of `req_states.all_token_ids` up to its
+    `prompt_len` (a device slice, copied without a host sync)."""
+    states = getattr(runner, "req_states", None)
+    if states is not None and hasattr(runner, "speculator"):  # Model Runner V2 (v1/worker/gpu/states.py)
+        i = states.req_id_to_index[rid]
+        return states.all_token_ids.gpu[i, : int(states.prompt_len.np[i])].clone()
+    ids = runner.requests[
+        rid
+    ].prompt_token_ids  # V1 and CPU (v1/worker/gpu_input_batch.py, CachedRequestState)
+    return list(ids) if ids is not None else []
+
+
+def live_requests(runner: Any) -> set[str]:
+    """The request ids the runner holds now (V1: `requests`; Model Runner V2: `req_states.req_id_to_index`)."""
+    states = getattr(runner, "req_states", None)
+    if states is not None and hasattr(runner, "speculator"):
+        return set(states.req_id_to_index)
+    return set(runner.requests)
+
+
 def v2_rows_are_host_known(runner: Any) -> bool:
     """Model Runner V2 lays out one logits row per drafted token plus one bonus row per request, as
     ``cu_num_logits_np`` says, unless adaptive verification re-assigns drafts on the device or the model samples
@@ -325,6 +386,8 @@ def encode(steps: CapturedSteps) -> dict[str, Any]:
         "feature_shape": None if steps.features is None else list(steps.features.shape),
         "feature_dtype": None if steps.features is None else str(steps.features.dtype).removeprefix("torch."),
         "feature_seen": None if steps.feature_seen is None else steps.feature_seen.tobytes(),
+        "prompt_ids": steps.prompt_ids,
+        "anchor_ids": steps.anchor_ids,
     }
 
 
@@ -344,6 +407,8 @@ def decode(d: dict[str, Any]) -> CapturedSteps:
         bool(d["grammar"]),
         features,
         seen,
+        d.get("prompt_ids"),
+        d.get("anchor_ids"),
     )
 
 

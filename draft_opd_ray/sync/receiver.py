@@ -183,9 +183,18 @@ def refit_ack(llm: Any, receiver: str, aliases: Mapping[str, str]) -> RefitAck:
     """The refit proof (`sync/refit.py`): every rank's draft read back from the engine, fingerprinted, and the
     ranks combined into one report of what the engine serves. ``aliases``: the checkpoint-name fragments vLLM's
     module for the draft's kind spells differently (`DraftKind.vllm_aliases`)."""
-    ranks = llm.collective_rpc("draft_fingerprints")
+    return ack_from_ranks(
+        llm.collective_rpc("draft_fingerprints"), llm.llm_engine.vllm_config, receiver, aliases
+    )
+
+
+def ack_from_ranks(
+    ranks: list[dict[str, Any]], vllm_config: Any, receiver: str, aliases: Mapping[str, str]
+) -> RefitAck:
+    """`refit_ack` from the ranks' `draft_fingerprints` replies, however they were fetched (an `LLM`'s
+    `collective_rpc`, or a server's `AsyncLLM.collective_rpc`), and the engine's config."""
     versions = {int(r["version"]) for r in ranks}
-    spec = llm.llm_engine.vllm_config.speculative_config
+    spec = vllm_config.speculative_config
     assert spec is not None  # an engine without a draft has nothing to refit
     return RefitAck(
         receiver=receiver,

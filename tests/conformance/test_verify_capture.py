@@ -4,7 +4,8 @@ reads; a change there that would make the capture read the wrong rows fails here
 
 Files: vllm/v1/sample/rejection_sampler.py, vllm/v1/worker/gpu_model_runner.py, vllm/v1/spec_decode/metadata.py,
 vllm/v1/worker/gpu/model_runner.py, vllm/v1/worker/gpu/spec_decode/rejection_sampler.py,
-vllm/v1/worker/gpu/input_batch.py, vllm/v1/engine/input_processor.py; for the feature rows
+vllm/v1/worker/gpu/input_batch.py, vllm/v1/engine/input_processor.py, vllm/v1/worker/gpu_input_batch.py,
+vllm/v1/worker/gpu/states.py; for the feature rows
 vllm/v1/spec_decode/llm_base_proposer.py, vllm/v1/attention/backend.py, vllm/model_executor/models/llama.py and
 vllm/model_executor/models/interfaces.py.
 """
@@ -91,6 +92,8 @@ def test_v1_rows_are_contiguous_per_request_with_the_bonus_last() -> None:
     runner = types.SimpleNamespace(
         input_batch=types.SimpleNamespace(req_ids=[f"r{b}-x" for b in range(5)]),
         positions=torch.arange(1024) * 2,
+        input_ids=fake.input_ids,  # the buffer vLLM read the drafted ids from
+        requests={f"r{b}-x": types.SimpleNamespace(prompt_token_ids=[b]) for b in range(5)},
         rejection_sampler=inner,
     )
     cap = vc.install(runner, 2, None)
@@ -102,6 +105,8 @@ def test_v1_rows_are_contiguous_per_request_with_the_bonus_last() -> None:
     assert steps["r2-x"].drafted == [[9105, 9106]] and steps["r2-x"].anchor_pos == [2 * 104]
     assert steps["r4-x"].drafted == [[9208]] and steps["r4-x"].anchor_pos == [2 * 207]
     assert [steps[r].accepted for r in ("r0-x", "r2-x", "r4-x")] == [[1], [2], [0]]
+    # the committed token each block follows: the input id at its first row, one before its first drafted id
+    assert [steps[r].anchor_ids for r in ("r0-x", "r2-x", "r4-x")] == [[9000], [9104], [9207]]
 
 
 def test_v2_runner_calls_the_sampler_as_wrapped() -> None:
@@ -139,6 +144,34 @@ def test_v2_input_batch_has_the_fields_the_capture_reads() -> None:
 
     fields = {f.name for f in dataclasses.fields(InputBatch)}
     assert {"req_ids", "num_reqs", "cu_num_logits_np", "logits_indices", "positions", "input_ids"} <= fields
+
+
+def test_the_prompt_and_committed_tokens_come_from_where_the_runners_keep_them() -> None:
+    """What a server's capture rebuilds a request from (`prompt_ids`, `live_requests`, the anchor rows' input ids):
+    vllm/v1/worker/gpu_model_runner.py keeps each request's `CachedRequestState` (with `prompt_token_ids`,
+    vllm/v1/worker/gpu_input_batch.py) in `self.requests` until it finishes, and the step's input ids in the
+    `CpuGpuBuffer` `self.input_ids`; vllm/v1/worker/gpu/states.py (Model Runner V2) keeps `req_id_to_index`,
+    `prompt_len` (host `.np`) and `all_token_ids` (device `.gpu`) rows, prompt first."""
+    from vllm.v1.worker.gpu.states import RequestState
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    init = _flat(inspect.getsource(GPUModelRunner.__init__))
+    assert "self.requests:dict[str,CachedRequestState]={}" in init
+    assert "self.input_ids=self._make_buffer(self.max_num_tokens,dtype=torch.int32)" in init
+    assert "prompt_token_ids" in {f.name for f in dataclasses.fields(CachedRequestState)}
+    update = _flat(inspect.getsource(GPUModelRunner._update_states))
+    assert "self.requests.pop(req_id,None)" in update  # a finished request leaves `requests`
+    states = _flat(inspect.getsource(RequestState))
+    for name in (
+        "self.req_id_to_index:dict[str,int]={}",
+        "self.all_token_ids=StagedWriteTensor(",
+        "self.prompt_len=UvaBackedTensor(",
+        "self.all_token_ids.stage_write(req_idx,0,all_token_ids)",
+    ):
+        assert name in states, name
+    add = _flat(inspect.getsource(RequestState.add_request))
+    assert "self.prompt_len.np[req_idx]=prompt_len" in add
 
 
 def test_worker_request_ids_map_back_to_the_callers() -> None:

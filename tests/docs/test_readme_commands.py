@@ -38,7 +38,7 @@ SECONDS = 300
 @dataclass(frozen=True)
 class Row:
     """How one README command is checked. ``run``: the shell line run (None: skipped; "" : the README line itself),
-    with ``{LINE}`` (the README line), ``{REPO}`` and ``{WORK}`` filled in; ``why``: why a variant or a skip;
+    with ``{LINE}`` (the README line), ``{REPO}``, ``{WORK}`` and ``{PORT}`` (a free port) filled in; ``why``: why a variant or a skip;
     ``where``: the working dir, "work" (a temporary dir holding the folders made here) or "repo"; ``rc`` and
     ``shows``: the exit code the run must end with and texts it must print."""
 
@@ -101,6 +101,24 @@ COMMANDS: dict[str, Row] = {
     "vllm serve <target folder> --speculative-config "
     """'{"method":"eagle3","model":"<run dir>/checkpoints/opd/latest/draft","num_speculative_tokens":4}'""": skip(
         "the same stock command with placeholders (the line above)"
+    ),
+    "make serve": Row(
+        run="make -s -n -C {REPO} serve PY=python",
+        why="a server runs until stopped: its recipe as make prints it",
+        shows=("python -m draft_opd_ray.serve",),
+    ),
+    "python -m draft_opd_ray.serve": Row(
+        run="python -m draft_opd_ray.serve dry_run=true serve.port={PORT}",
+        why="a server runs until stopped (tests/integration/test_serve_learns.py starts one): its dry run, on a "
+        "free port (the port is checked before anything loads)",
+        shows=("serve: vLLM's OpenAI server on http://127.0.0.1:", "teacher: verify"),
+    ),
+    "python -m draft_opd_ray.serve target.path=/models/Llama-3.1-8B-Instruct draft.path=/drafts/llama31-eagle3 "
+    "serve.port=8001": Row(
+        run="python -m draft_opd_ray.serve target.path={WORK}/models/Llama-3.1-8B-Instruct "
+        "draft.path={WORK}/drafts/llama31-eagle3 serve.port={PORT} dry_run=true",
+        why="the config-only Llama folder and the user's EAGLE-3 head: a dry run, on a free port",
+        shows=("from {WORK}/drafts/llama31-eagle3", "draft.draft_vocab_size 32000"),
     ),
     "python -m draft_opd_ray.check_teacher": skip(
         "rolls a few MT-Bench prompts out with capture and replays them: minutes; "
@@ -332,6 +350,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return w
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _env(work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HYDRA_FULL_ERROR")}
     # the cpu_2node group's storage dir (its run dirs) inside the test's folder
@@ -344,7 +370,12 @@ RUNS = [line for line, row in COMMANDS.items() if row.run is not None]
 @pytest.mark.parametrize("line", RUNS, ids=RUNS)
 def test_readme_command(line: str, work: Path) -> None:
     row = COMMANDS[line]
-    fill = {"{LINE}": line, "{REPO}": str(helpers.REPO), "{WORK}": str(work.resolve())}
+    fill = {
+        "{LINE}": line,
+        "{REPO}": str(helpers.REPO),
+        "{WORK}": str(work.resolve()),
+        "{PORT}": str(_free_port()),
+    }
     cmd = row.run or line
     for k, v in fill.items():
         cmd = cmd.replace(k, v)

@@ -9,11 +9,8 @@ checkpoint uses, with large random weights so that acceptance varies from step t
 from __future__ import annotations
 
 import os
-import re
 import shlex
-import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,36 +19,12 @@ import torch
 
 from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 from draft_opd_ray.eval.summary import serve_command
-from tests.helpers import randomize_
+from tests.helpers import free_port, prom_counter, randomize_, wait_healthy
 
 pytestmark = [pytest.mark.vllm]
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS, K = 24, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"vllm serve not healthy after {timeout} s")
-
-
-def _counter(metrics: str, name: str) -> float:
-    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, flags=re.M))
 
 
 def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path: Path) -> None:
@@ -79,7 +52,7 @@ def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path:
         "target": str(tiny_target),
         "speculative_config": {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K},
     }
-    port = _free_port()
+    port = free_port()
     cmd = shlex.split(serve_command(report)) + [
         *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
         *("--enforce-eager", "--seed", "0"),
@@ -89,7 +62,7 @@ def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, timeout=400)
+        wait_healthy(url, proc, timeout=400)
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         for p, want in zip(ids, plain, strict=True):
             out = client.completions.create(
@@ -113,7 +86,7 @@ def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    drafted = _counter(metrics, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    drafted = prom_counter(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = prom_counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
     print(f"served: {drafted:.0f} drafted tokens, {accepted:.0f} accepted")
     assert drafted > 0 and 0 < accepted < drafted  # the draft served, and not trivially

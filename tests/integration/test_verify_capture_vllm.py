@@ -116,6 +116,11 @@ def test_capture_changes_nothing_and_records_what_the_scheduler_records(models: 
         _same_records(a, b)
         assert a.captured is not None and a.captured.topk_ids.shape == (a.num_steps, K + 1, 8)
         steps += a.num_steps
+    for a in hot_on + captured:  # what a server has: the capture alone gives the prompt and committed tokens
+        assert a.captured is not None
+        got = a.captured.record(a.request_id, 0)
+        assert got.prompt_ids == a.prompt_ids and got.response_ids == a.response_ids[: len(got.response_ids)]
+        assert len(got.response_ids) == a.committed_by_steps() - 1 and consistency_error(got) is None
     accepted = [x for r in captured for x in r.accepted]
     assert 0 in accepted and K in accepted  # rejections and full accepts (bonus rows) both captured
 

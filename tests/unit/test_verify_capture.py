@@ -75,8 +75,15 @@ def _v1_call() -> tuple[Any, Any, torch.Tensor]:
         logits_indices=torch.tensor([0, 1, 2, 3, 103, 104, 105, 106, 206, 207, 208]),
     )
     positions = torch.arange(300) + 1000  # the position of token index t is 1000 + t
+    req_ids = ["a-1", "b-2", "c-3", "d-4", "e-5"]
     runner = types.SimpleNamespace(
-        input_batch=types.SimpleNamespace(req_ids=["a-1", "b-2", "c-3", "d-4", "e-5"]), positions=positions
+        input_batch=types.SimpleNamespace(req_ids=req_ids),
+        positions=positions,
+        input_ids=types.SimpleNamespace(gpu=torch.arange(300) + 9000),  # token index t holds id 9000 + t
+        # CachedRequestState.prompt_token_ids (v1/worker/gpu_input_batch.py)
+        requests={
+            r: types.SimpleNamespace(prompt_token_ids=[i + 1] * (i + 2)) for i, r in enumerate(req_ids)
+        },
     )
     logits = torch.randn(11, 50, generator=torch.Generator().manual_seed(1))
     return meta, runner, logits
@@ -101,6 +108,9 @@ def test_v1_rows_per_request_and_the_sampler_untouched() -> None:
     assert (a.anchor_pos, a.drafted, a.accepted) == ([1000], [[501, 502, 503]], [2])
     assert (c.anchor_pos, c.drafted, c.accepted) == ([1104], [[601, 602]], [1])
     assert (e.anchor_pos, e.drafted, e.accepted) == ([1207], [[701]], [1])
+    # the committed token each step's first row scores (token indices 0, 104, 207) and the prompts, once
+    assert (a.anchor_ids, c.anchor_ids, e.anchor_ids) == ([9000], [9104], [9207])
+    assert (a.prompt_ids, c.prompt_ids, e.prompt_ids) == ([1, 1], [3, 3, 3, 3], [5] * 6)
     want_vals, want_ids, want_tail = vc.teacher_rows(logits, 3, None)
     for s, rows in ((a, range(0, 4)), (c, range(5, 8)), (e, range(9, 11))):
         n = len(rows)
@@ -109,6 +119,87 @@ def test_v1_rows_per_request_and_the_sampler_untouched() -> None:
         assert np.allclose(s.topk_logprobs[0], want_vals[list(rows)].numpy())
         assert np.allclose(s.log_tail[0], want_tail[list(rows)].numpy())
     assert cap.take() == {}  # handed out once
+    runner.rejection_sampler(meta, None, logits, None)  # a later step of the same requests: no prompt again
+    assert all(x.prompt_ids is None for x in cap.take().values())
+    del runner.requests["a-1"]  # finished: the runner drops it, and so does the capture
+    cap.take()
+    assert "a-1" not in cap.handed and "c-3" in cap.handed
+
+
+def test_a_request_taken_while_it_runs_joins_into_one_record() -> None:
+    """A server takes the capture while requests run: the chunks join (`CapturedSteps.then`) into the steps one
+    take at the end would give, and the record rebuilt from them has the prompt and committed tokens."""
+    meta, runner, logits = _v1_call()
+    runner.rejection_sampler = _V1Sampler([2, 0, 1, 0, 1])
+    cap = vc.install(runner, 3, None)
+    whole = vc.install(
+        types.SimpleNamespace(**{**vars(runner), "rejection_sampler": _V1Sampler([2, 0, 1, 0, 1])}), 3, None
+    )
+    for scale in (1.0, 2.0, 3.0):
+        cap(meta, None, logits * scale, None)
+        whole(meta, None, logits * scale, None)
+    one = whole.take()["a-1"]
+    first = cap.take()["a-1"]
+    cap(meta, None, logits * 4, None)
+    whole(meta, None, logits * 4, None)
+    joined = first.then(cap.take()["a-1"])
+    one = one.then(whole.take()["a-1"])
+    for f in ("anchor_pos", "drafted", "accepted", "prompt_ids", "anchor_ids"):
+        assert getattr(joined, f) == getattr(one, f), f
+    for f in ("topk_ids", "topk_logprobs", "log_tail"):
+        assert np.array_equal(getattr(joined, f), getattr(one, f)), f
+    rec = joined.record("a", 3)
+    assert (
+        rec.prompt_ids == [1, 1]
+        and rec.response_ids == [9000, 501, 502] * 4
+        and rec.policy_version == [3] * 4
+    )
+    assert rec.captured is joined and rec.finish_reason == "length"
+
+
+def test_joined_steps_pad_blocks_and_merge_feature_rows_by_position() -> None:
+    def steps(anchor: list[int], k1: int, feats: list[int] | None) -> CapturedSteps:
+        n = len(anchor)
+        f = seen = None
+        if feats is not None:
+            size = max(feats) + 1
+            f = torch.zeros(size, 2)
+            seen = np.zeros(size, dtype=bool)
+            for p in feats:
+                f[p], seen[p] = float(anchor[0] * 100 + p), True
+        return CapturedSteps(
+            anchor,
+            [[1] * (k1 - 1)] * n,
+            [0] * n,
+            np.ones((n, k1, 2), np.int32),
+            np.zeros((n, k1, 2), np.float32),
+            np.zeros((n, k1), np.float32),
+            False,
+            f,
+            seen,
+            [7, 7],
+            [5] * n,
+        )
+
+    a, b = steps([2], 3, [0, 1, 2, 3]), steps([3, 4], 2, [3, 4, 5])
+    j = a.then(b)
+    assert (
+        j.topk_ids.shape == (3, 3, 2)
+        and j.topk_ids[1:, 2].sum() == 0
+        and np.isneginf(j.log_tail[1:, 2]).all()
+    )
+    assert j.prompt_ids == [7, 7] and j.anchor_ids == [5, 5, 5] and j.anchor_pos == [2, 3, 4]
+    assert j.features is not None and j.feature_seen is not None and j.feature_seen.all()
+    assert j.features[:, 0].tolist() == [200.0, 201.0, 202.0, 303.0, 304.0, 305.0]  # the later chunk wins
+    assert steps([2], 3, None).then(b).features is b.features
+    with pytest.raises(ValueError, match="without its prompt"):
+        dataclasses_replace(a, prompt_ids=None).record("x", 0)
+
+
+def dataclasses_replace(x: Any, **kw: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(x, **kw)
 
 
 def test_steps_of_several_calls_pad_to_the_longest_block() -> None:
@@ -133,6 +224,7 @@ def test_steps_pad_to_the_longest_block_and_survive_the_rpc_encoding() -> None:
             np.zeros((n, 2), np.float32),
             np.zeros(n, np.float32),
             grammar,
+            anchor + 1000,
         )
 
     packed = vc._pack([step(5, [1, 2], 1, False), step(8, [4], 0, True)], 2)
@@ -140,6 +232,7 @@ def test_steps_pad_to_the_longest_block_and_survive_the_rpc_encoding() -> None:
     assert c.topk_ids.shape == (2, 3, 2) and c.grammar and c.accepted == [1, 0] and c.anchor_pos == [5, 8]
     assert np.isneginf(c.topk_logprobs[1, 2]).all() and np.isneginf(c.log_tail[1, 2])  # padding
     assert np.array_equal(c.topk_ids, packed.topk_ids) and np.array_equal(c.log_tail, packed.log_tail)
+    assert c.anchor_ids == [1005, 1008] and c.prompt_ids is None
 
 
 def test_v2_rows_from_cu_num_logits() -> None:
@@ -160,7 +253,13 @@ def test_v2_rows_from_cu_num_logits() -> None:
     def inner(logits: Any, input_batch: Any, draft_logits: Any = None, invalid_drafts: Any = None) -> Any:
         return types.SimpleNamespace(num_sampled=torch.tensor([2, 1, 1]))
 
-    runner = types.SimpleNamespace(speculator=object(), rejection_sampler=inner)
+    all_ids = torch.arange(3 * 50).reshape(3, 50)  # req_states.all_token_ids (v1/worker/gpu/states.py)
+    states = types.SimpleNamespace(
+        req_id_to_index={"x-1": 0, "y-2": 1, "z-3": 2},
+        prompt_len=types.SimpleNamespace(np=np.array([2, 3, 4])),
+        all_token_ids=types.SimpleNamespace(gpu=all_ids),
+    )
+    runner = types.SimpleNamespace(speculator=object(), rejection_sampler=inner, req_states=states)
     cap = vc.install(runner, 2, None)
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
     cap(logits, batch, None, None)
@@ -172,6 +271,8 @@ def test_v2_rows_from_cu_num_logits() -> None:
         [1],
     )
     assert (steps["z-3"].anchor_pos, steps["z-3"].drafted, steps["z-3"].accepted) == ([200], [[5021]], [0])
+    assert (steps["x-1"].anchor_ids, steps["z-3"].anchor_ids) == ([5001], [5020])  # the first rows' input ids
+    assert (steps["x-1"].prompt_ids, steps["z-3"].prompt_ids) == ([0, 1], [100, 101, 102, 103])
     assert not steps["x-1"].grammar
     # V2 has no drafter to tap: asking for feature rows installs the teacher capture alone, and says so
     vc.install(runner, 2, None, features=True)
@@ -358,6 +459,12 @@ def test_feature_rows_by_request_and_position_last_write_wins() -> None:
     back = vc.decode(vc.encode(a))
     assert back.features is not None and torch.equal(back.features, a.features)
     assert back.feature_seen is not None and np.array_equal(back.feature_seen, a.feature_seen)
+    assert cap.features == {}
+    # a running request's prefill rows taken before its first step: kept for the take that has its steps
+    call(["b-2"], [0, 1], [0, 2], fill=300.0)
+    assert "b-2" not in cap.take() and list(cap.features) == ["b-2"]
+    del runner.requests["b-2"]  # it ended without a step: dropped at the next take
+    cap.take()
     assert cap.features == {}
 
 

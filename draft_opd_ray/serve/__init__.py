@@ -1,0 +1,11 @@
+"""Serve and learn: vLLM's own OpenAI-compatible server on the target and a draft, whose draft learns Draft-OPD
+from the traffic it verifies (`python -m draft_opd_ray.serve`, docs/usage.md "Serve and learn").
+
+    traffic.py  the captured verification steps of the server's requests, joined across takes into rollout
+                records, and τ by draft version (no vLLM, no Ray)
+    learn.py    the learner beside the server: a replay actor that turns the captured teacher into training items
+                (no target forward) and a DeepSpeed learner rank, on Ray
+    server.py   vLLM's API server built from its own launcher functions, with the capture installed through our
+                worker extension, `GET /draft/status`, and the task that takes the traffic, steps the learner and
+                refits each new version into the running engine (proved by the refit check)
+"""

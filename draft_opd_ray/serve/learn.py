@@ -1,0 +1,88 @@
+"""The learner beside a server: the same replay actor and DeepSpeed learner rank the Draft-OPD loop uses
+(`loop/actors.py`), fed with the server's traffic instead of rollouts.
+
+A step takes the closed requests (`serve/traffic.py`), selects anchors as the loop does (`loop.opd.replay_items`),
+turns the captured teacher into training items on the replay actor (with `teacher.source=verify` and the captured
+feature rows, no target forward), runs `learner.mini_batches` updates, and returns the new draft's weights for the
+server to refit. Its calls block on Ray: the server runs them in a thread, so requests are served meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.wire import RequestRecord
+
+
+class TrafficLearner:
+    def __init__(self, cfg: Config, target: str, draft_dir: str) -> None:
+        """A replay actor and one learner rank on the connected Ray, started from the served draft; the learner's
+        schedule lasts `serve.max_versions` steps of `learner.mini_batches` updates."""
+        from draft_opd_ray.loop.actors import (
+            LearnerGroup,
+            ReplayGroup,
+            start_learner_ranks,
+            start_replay_actor,
+        )
+        from draft_opd_ray.opd.learner import LearnerRun
+
+        self.cfg = cfg
+        # no bundles: the server's engine is not a Ray actor, so there is no plan to place these two in
+        options = {"num_cpus": 0, "num_gpus": 1 if cfg.cluster.gpus_per_node > 0 else 0}
+        self.replay = ReplayGroup([start_replay_actor(cfg, target, draft_dir, dict(options), None)])
+        run = LearnerRun(
+            draft_dir,
+            target,
+            cfg.serve.max_versions * cfg.learner.mini_batches * cfg.learner.epochs,
+            num_threads=None if cfg.cluster.gpus_per_node > 0 else 1,
+        )
+        ranks = start_learner_ranks(
+            1, lambda r: dict(options), run, (cfg.draft, cfg.loss, cfg.optim, cfg.learner)
+        )
+        self.learner = LearnerGroup(ranks)
+        self.steps = 0
+        self.guard: Any = None
+        if cfg.serve.guard:
+            import ray
+
+            from draft_opd_ray.serve.guard import GuardActor
+
+            self.guard = (
+                ray.remote(GuardActor)
+                .options(**options)
+                .remote(cfg.draft.kind, draft_dir, target, cfg.draft.num_speculative_tokens)
+            )
+
+    def judge(self, held: Sequence[RequestRecord], weights: dict[str, Any]) -> Any:
+        """The guard's decision on a candidate (`serve/guard.py`), from the held-back requests ``held``."""
+        from draft_opd_ray.serve.guard import decide
+        from draft_opd_ray.waits import wait_for
+
+        assert self.guard is not None
+        got = wait_for(self.guard.score.remote(list(held), weights), "guard: score a candidate")
+        return decide(got["candidate"], got["serving"], self.cfg.serve.guard_margin)
+
+    def published(self) -> None:
+        """The candidate the guard last scored is now served."""
+        from draft_opd_ray.waits import wait_for
+
+        if self.guard is not None:
+            wait_for(self.guard.publish.remote(), "guard: take the published draft")
+
+    def step(self, records: Sequence[RequestRecord]) -> tuple[dict[str, float], dict[str, Any]]:
+        """One Draft-OPD step on ``records``: the learner's row of sums, and the new weights (checkpoint names)."""
+        from draft_opd_ray.loop.opd import replay_items
+        from draft_opd_ray.waits import wait_for
+
+        items = replay_items(records, self.cfg, seed=self.cfg.anchor.seed + self.steps)
+        if not items:
+            return {"skipped": 1.0}, {}
+        teacher = self.replay.score(items)
+        row = self.learner.step(teacher, self.cfg.learner.mini_batches, self.cfg.learner.epochs)
+        self.steps += 1
+        row["anchors"] = float(sum(len(it.anchor_pos) for it in items))
+        if "skipped" in row:
+            return row, {}
+        return row, wait_for(self.learner.rank0.rollout_state.remote(), "learner rank 0: weights")

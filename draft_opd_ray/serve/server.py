@@ -1,0 +1,450 @@
+"""vLLM's OpenAI-compatible server whose draft learns from the traffic it verifies.
+
+The server is vLLM's own: its argument parser (`launchers/cli_args.py`), engine client (`AsyncLLM`, built by
+`build_async_engine_client`), FastAPI app and routes (`build_app`, `init_app_state`) and uvicorn launcher
+(`serve_http`), called in the order vLLM's `run_server_worker` calls them. What this module adds:
+
+* the engine starts with our worker extension (`rollout/worker_ext.py`), and the verify-pass capture is installed
+  through it once the engine is up (the same capture the rollouts use: the teacher of every verification step);
+* one route, ``GET /draft/status`` (JSON: the version served, the versions published, τ by version, requests);
+* a task on the server's event loop: every `serve.poll_s` it takes the captured steps from the engine
+  (`AsyncLLM.collective_rpc`, inside this process: no development endpoint is opened), joins them into requests
+  (`serve/traffic.py`), and after `serve.requests_per_update` closed requests runs a learner step in a thread
+  (`serve/learn.py`), writes the new version to a file the engine's workers reload in place, and checks the refit
+  proof (`sync/refit.py`: the engine's read-back of every draft tensor against the published weights). A refit
+  that fails its proof stops the learning and the server serves on. Each published version is saved under
+  `<run dir>/checkpoints/serve/`, and a row goes to `metrics.jsonl`.
+
+Speculative decoding is lossless: every answer is the target's, whichever version drafts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draft_opd_ray.config.schema import Config
+from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.serve.traffic import Traffic
+
+STATUS_ROUTE = "/draft/status"
+
+
+def check(cfg: Config) -> None:
+    """The server's own check after the config's: its address is free."""
+    check_port(cfg.serve.host, cfg.serve.port)
+
+
+def stopped(run_dir: Path) -> str:
+    """The closing line of a stopped server: the last draft it published."""
+    served = run_dir / "checkpoints" / "serve" / "latest"
+    if served.exists():
+        return f"the server stopped; the last published draft is {served.resolve()}/draft"
+    return "the server stopped; no new draft version was published"
+
+
+def check_port(host: str, port: int) -> None:
+    """The server's address is free (before any model loads): a port in use is a config error."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"serve.port: cannot listen on {host}:{port} ({e.strerror or e}); pick another port"
+            ) from None
+
+
+def describe(cfg: Config, sized: list[Any] | None = None) -> str:
+    """What `python -m draft_opd_ray.serve` will start (its dry run prints this and stops)."""
+    from draft_opd_ray.opd.source import teacher_source
+
+    d, s = cfg.draft, cfg.serve
+    src = teacher_source(cfg.teacher, cfg.loss, cfg.replay)
+    lines = [
+        f"serve: vLLM's OpenAI server on http://{s.host}:{s.port}/v1, status at {STATUS_ROUTE}",
+        f"target: {cfg.target.path} ({cfg.target.dtype}, max_model_len {cfg.target.max_model_len})",
+        f"draft:  {d.kind} (K={d.num_speculative_tokens}) from "
+        + (d.path or "the warm start (cached, else trained first as the sft stage trains it)"),
+        (
+            f"learning: Draft-OPD on the served traffic, a version every {s.requests_per_update} requests "
+            f"({cfg.learner.mini_batches} optimizer updates each), {s.max_versions} at most; objective {cfg.loss.objective}, "
+            f"gamma {cfg.loss.gamma}, anchors {cfg.anchor.policy}; teacher: {src.name} ({src.why})"
+            if s.learn
+            else "learning: off (serve.learn=false): the draft is served as it is"
+        ),
+    ]
+    if sized:
+        from draft_opd_ray.sizing import render
+
+        lines.append(render(sized))
+    return "\n".join(lines)
+
+
+def vllm_argv(cfg: Config, target: str, spec: dict[str, Any], capture_features: bool) -> list[str]:
+    """The command line vLLM's own server gets (what `vllm serve` would be given), from the run's config."""
+    from draft_opd_ray.device import resolve_dtype
+    from draft_opd_ray.logs import tqdm_on_load
+    from draft_opd_ray.rollout.engine import needs_eager
+    from draft_opd_ray.rollout.worker_ext import EXTENSION
+
+    argv = [
+        *("--model", target, "--host", cfg.serve.host, "--port", str(cfg.serve.port)),
+        *("--dtype", resolve_dtype(cfg.target.dtype), "--max-model-len", str(cfg.target.model_len())),
+        *("--seed", str(cfg.seed), "--speculative-config", json.dumps(spec)),
+        *(
+            "--worker-extension-cls",
+            EXTENSION,
+            "--tensor-parallel-size",
+            str(cfg.cluster.rollout_tensor_parallel),
+        ),
+        *(
+            "--gpu-memory-utilization",
+            str(cfg.rollout.gpu_memory_utilization),
+            "--disable-uvicorn-access-log",
+        ),
+    ]
+    if not tqdm_on_load():  # a quiet run: no weight-loading bars (logs.py)
+        argv.append("--no-use-tqdm-on-load")
+    if needs_eager():
+        argv.append("--enforce-eager")
+    if capture_features:  # a prefix-cache hit computes no prompt rows: the captured features would miss them
+        argv.append("--no-enable-prefix-caching")
+    return argv
+
+
+def vllm_args(argv: list[str]) -> Any:
+    """vLLM's parsed and checked server arguments (its own parser and checks)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+@dataclass
+class Status:
+    """What `GET /draft/status` returns, and what the learning task updates."""
+
+    learning: bool
+    version: int = 0
+    published: list[int] = field(default_factory=lambda: [0])
+    refused: list[int] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        t = self.traffic
+        return {
+            "version": self.version,
+            "published": list(self.published),
+            "refused": list(self.refused),
+            "tau_by_version": {str(v): x for v, x in t.tau_by_version().items()},
+            "requests": t.requests,
+            "open_requests": len(t.open),
+            "orphans": t.orphans,
+            "learning": self.learning,
+            "error": self.error,
+        }
+
+
+class Refitter:
+    """The learning task's side of the engine: take the captured traffic, refit a new version, prove it."""
+
+    def __init__(self, client: Any, cfg: Config, status: Status, run_dir: Path, metrics: Any) -> None:
+        self.client, self.cfg, self.status, self.run_dir, self.metrics = client, cfg, status, run_dir, metrics
+
+    async def take(self) -> list[Any]:
+        """The requests the capture closed since the last take (steps of rank 0: every rank sees the same)."""
+        from draft_opd_ray.rollout.verify_capture import decode
+
+        taken = (await self.client.collective_rpc("take_verify_capture"))[0]
+        steps = {rid: decode(d) for rid, d in taken.items()}
+        closed = self.status.traffic.add(steps, self.status.version)
+        if closed:
+            log_requests(self.run_dir / "traffic.jsonl", closed)
+        return closed
+
+    async def refit(self, weights: dict[str, Any], version: int) -> float:
+        """Load ``weights`` as ``version`` into the running engine and check the engine's read-back against them;
+        returns the seconds it took. The requests in flight go on (their next steps are drafted by the new
+        version)."""
+        import torch
+
+        from draft_opd_ray.drafts import registry
+        from draft_opd_ray.sync import receiver
+        from draft_opd_ray.sync.refit import check_ack, fingerprints
+
+        t0 = time.perf_counter()
+        with receiver.weights_file(weights) as path:
+            await self.client.collective_rpc("load_draft_weights", args=(path, version))
+        await self.client.reset_prefix_cache()  # blocks of finished requests hold the old draft's KV
+        ranks = await self.client.collective_rpc("draft_fingerprints")
+        kind = registry.KINDS[self.cfg.draft.kind]
+        ack = receiver.ack_from_ranks(
+            ranks, self.client.vllm_config, "the server's engine", kind.vllm_aliases
+        )
+        check_ack(ack, version, {ack.dtype: fingerprints(weights.items(), getattr(torch, ack.dtype))})
+        return time.perf_counter() - t0
+
+
+class Feed:
+    """The closed requests, split as they close: every `serve.holdout_every`-th is held back for the guard (the last
+    `serve.guard_requests` of them), the others wait to be trained on."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.every, self.guard = cfg.serve.holdout_every, cfg.serve.guard
+        self.held: collections.deque[Any] = collections.deque(maxlen=cfg.serve.guard_requests)
+        self.pending: list[Any] = []
+        self.seen = 0
+
+    def add(self, records: list[Any]) -> None:
+        for r in records:
+            self.seen += 1
+            (self.held if self.guard and self.seen % self.every == 0 else self.pending).append(r)
+
+    def ready(self, n: int) -> bool:
+        """``n`` requests to train on, and (with the guard) a full held-back slice to judge the result on."""
+        full = not self.guard or len(self.held) == self.held.maxlen
+        return full and len(self.pending) >= n
+
+    def batch(self) -> list[Any]:
+        out, self.pending = self.pending, []
+        return out
+
+
+async def learn(refitter: Refitter, learner: Any) -> None:
+    """The learning task: take the traffic every `serve.poll_s`; once `serve.requests_per_update` requests wait (and
+    the guard's held-back slice is full), step the learner (in a thread); the guard judges the candidate, and a
+    published one is refit into the engine, a refused one kept on disk. The learner stops after `serve.max_versions`
+    candidates."""
+    cfg, status = refitter.cfg, refitter.status
+    feed = Feed(cfg)
+    while True:
+        await asyncio.sleep(cfg.serve.poll_s)
+        feed.add(await refitter.take())
+        if learner is None or not feed.ready(cfg.serve.requests_per_update):
+            continue
+        batch = feed.batch()
+        t0 = time.perf_counter()
+        row, weights = await asyncio.to_thread(learner.step, batch)
+        if not weights:
+            continue
+        candidate = learner.steps
+        decision = None
+        if learner.guard is not None:
+            decision = await asyncio.to_thread(learner.judge, list(feed.held), weights)
+        step_s, refit_s = time.perf_counter() - t0, 0.0
+        served = status.version
+        if decision is None or decision.publish:
+            feed.add(await refitter.take())  # steps drafted by the serving version until the refit below
+            refit_s = await refitter.refit(weights, candidate)
+            await asyncio.to_thread(learner.published)
+            status.version = candidate
+            status.published.append(candidate)
+        else:
+            status.refused.append(candidate)
+        what = "published" if candidate in status.published else "refused"
+        await asyncio.to_thread(save_version, learner, refitter.run_dir, candidate, what)
+        tau = status.traffic.tau_by_version().get(served, float("nan"))
+        guard = {} if decision is None else {f"guard_{k}": v for k, v in decision.diff.items()}
+        refitter.metrics.log(
+            "serve",
+            candidate,
+            decision=what,
+            why=decision.why if decision is not None else "serve.guard=false",
+            requests=len(batch),
+            served_requests=status.traffic.requests,
+            tau_serving=tau,
+            step_s=step_s,
+            refit_s=refit_s,
+            **guard,
+            **{k: v for k, v in row.items() if isinstance(v, (int, float))},
+        )
+        print(
+            f"[serve] candidate {candidate} {what}"
+            + (f" ({decision.why})" if decision is not None else "")
+            + f": trained on {len(batch)} requests ({int(row.get('anchors', 0))} anchors)"
+            + (f", refit {refit_s:.2f} s, proved" if what == "published" else "")
+            + f"; served tau of version {served}: {tau:.3f}",
+            flush=True,
+        )
+        if candidate >= cfg.serve.max_versions:
+            print(
+                f"[serve] serve.max_versions={candidate} reached: the learner stops, the server serves on",
+                flush=True,
+            )
+            learner = None
+            status.learning = False
+
+
+def log_requests(path: Path, records: list[Any]) -> None:
+    """One line per closed request in `traffic.jsonl`: when it closed, its sizes, its verification steps, the
+    drafted tokens accepted and the versions that drafted them (the demo's τ over time reads these)."""
+    from draft_opd_ray.metrics import json_line
+
+    now = time.time()
+    with path.open("a") as f:
+        for r in records:
+            f.write(
+                json_line(
+                    {
+                        "closed_at": now,
+                        "prompt_tokens": len(r.prompt_ids),
+                        "response_tokens": len(r.response_ids),
+                        "steps": r.num_steps,
+                        "accepted": sum(r.accepted),
+                        "first_version": min(r.policy_version),
+                        "last_version": max(r.policy_version),
+                    }
+                )
+            )
+
+
+def save_version(learner: Any, run_dir: Path, version: int, what: str) -> Path:
+    """The candidate's draft folder (atomic): a published one as `<run dir>/checkpoints/serve/v<version>/draft`
+    (`latest` naming it), a refused one under `checkpoints/serve/refused/` (kept, not served)."""
+    from draft_opd_ray.checkpoint import write_checkpoint
+    from draft_opd_ray.waits import wait_for
+
+    def fill(tmp: Path) -> None:
+        wait_for(learner.learner.rank0.save.remote(str(tmp / "draft")), f"learner: save version {version}")
+
+    root = run_dir / "checkpoints" / "serve"
+    return write_checkpoint(root if what == "published" else root / "refused", f"v{version:04d}", fill)
+
+
+async def run_server(args: Any, cfg: Config, capture: tuple[Any, ...], learner: Any, run_dir: Path) -> Status:
+    """vLLM's `run_server_worker`, with the capture installed, the status route and the learning task."""
+    import vllm.envs as envs
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from draft_opd_ray.logs import tqdm_on_load
+    from draft_opd_ray.metrics import MetricsLogger
+
+    status = Status(learning=learner is not None)
+    metrics = MetricsLogger(
+        run_dir, wandb_mode=cfg.wandb.mode, project=cfg.wandb.project, entity=cfg.wandb.entity
+    )
+    _, sock = setup_server(args, reuse_port=False)
+    task = None
+    try:
+        async with build_async_engine_client(args) as client:
+            await client.collective_rpc("install_verify_capture", args=capture)
+            tasks = await client.get_supported_tasks()
+            app = build_app(args, tasks, client.model_config)
+            await init_app_state(client, app.state, args, tasks)
+            app.add_api_route(STATUS_ROUTE, lambda: JSONResponse(status.as_dict()), methods=["GET"])
+            task = asyncio.create_task(learn(Refitter(client, cfg, status, run_dir, metrics), learner))
+            task.add_done_callback(lambda t: _learning_stopped(t, status))
+            url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+            print(
+                f"[serve] vLLM's OpenAI server on {url}/v1 (model {args.model}); draft status: GET {url}{STATUS_ROUTE}",
+                flush=True,
+            )
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                # a quiet run: uvicorn's INFO lines (start-up, shutdown) stay off the console, as vLLM's do
+                log_level=args.uvicorn_log_level if tqdm_on_load() else "warning",
+                access_log=False,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            )
+        await shutdown
+    finally:
+        if task is not None:
+            task.cancel()
+        sock.close()
+        metrics.close()
+    return status
+
+
+def _learning_stopped(task: asyncio.Task[None], status: Status) -> None:
+    """A learning task that failed (a learner step, a refit that failed its proof): the server serves on with the
+    last published version, and the status says why learning stopped."""
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is not None:
+        status.learning = False
+        status.error = f"{type(e).__name__}: {e}"
+        print(f"[serve] learning stopped, serving version {status.version}: {status.error}", flush=True)
+
+
+def serve(cfg: Config, run_dir: str) -> None:
+    """The whole command: Ray, the target, the draft (`draft.path`, or the warm start: cached, else trained now),
+    the learner beside the server when `serve.learn`, then vLLM's server until Ctrl-C or SIGTERM."""
+    import os
+
+    import ray
+    import uvloop
+
+    from draft_opd_ray import cluster, waits
+    from draft_opd_ray.driver import load_prompts, prepare_target
+    from draft_opd_ray.loop.actors import capture_settings
+    from draft_opd_ray.rollout.engine import speculative_config
+    from draft_opd_ray.sft.stage import run_sft_stage
+
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    waits.configure(cfg.cluster.actor_timeout_s)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.rollout.kvcache_gb)))
+    owned = cluster.connect(cfg, rd)
+    try:
+        target, tokenizer, _ = prepare_target(cfg)
+        draft = cfg.draft.path
+        if draft is None:
+            from draft_opd_ray.metrics import MetricsLogger
+
+            with contextlib.closing(MetricsLogger(rd, wandb_mode="disabled")) as m:
+                draft = str(
+                    run_sft_stage(
+                        cfg,
+                        target=target,
+                        prompts=load_prompts(cfg, tokenizer, "train"),
+                        run_dir=rd,
+                        metrics=m,
+                    )
+                )
+        topk, vocab, features = capture_settings(cfg, target, draft)
+        if topk is None:
+            raise ConfigError(
+                "serve: the server learns from the teacher captured in its verification pass; this config's "
+                "teacher source is the replay (preflight says why): use loss.objective=opd loss.estimator=topk"
+            )
+        spec = speculative_config(cfg.draft.kind, draft, cfg.draft.num_speculative_tokens)
+        assert spec is not None
+        args = vllm_args(vllm_argv(cfg, target, spec, features))
+        learner = None
+        if cfg.serve.learn:
+            from draft_opd_ray.serve.learn import TrafficLearner
+
+            learner = TrafficLearner(cfg, target, draft)
+        print(
+            f"[serve] draft {cfg.draft.kind} from {draft}; "
+            + (
+                f"learning from the traffic: a new version every {cfg.serve.requests_per_update} requests, "
+                f"{cfg.serve.max_versions} at most"
+                if learner is not None
+                else "serve.learn=false: the draft stays as it is"
+            ),
+            flush=True,
+        )
+        status = uvloop.run(run_server(args, cfg, (topk, vocab, features), learner, rd))
+        print(f"[serve] stopped: {json.dumps(status.as_dict())}", flush=True)
+    finally:
+        if owned:
+            ray.shutdown()
