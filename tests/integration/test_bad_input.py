@@ -261,3 +261,30 @@ def test_no_secret_reaches_the_config_or_the_output(tmp_path: Path) -> None:
         "wandb.mode=online", "dry_run=true", f"hydra.run.dir={tmp_path / 'r'}", WANDB_API_KEY=secret
     )
     assert r.returncode == 0 and secret not in r.stdout + r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_serve_on_a_port_in_use_is_one_line_exit_2(tmp_path: Path, dry: bool) -> None:
+    """`python -m draft_opd_ray.serve` on a port another process listens on: refused with the config's own checks,
+    before any model loads, one `error:` line naming `serve.port`, exit 2, no run dir."""
+    import socket
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "draft_opd_ray.serve", f"serve.port={port}", f"hydra.run.dir={run_dir}"]
+            + (["dry_run=true"] if dry else []),
+            cwd=helpers.REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert err.startswith(f"error: serve.port: cannot listen on 127.0.0.1:{port}") and "\n" not in err, err
+    assert "Traceback" not in r.stdout + r.stderr and not run_dir.exists()
