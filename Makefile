@@ -2,7 +2,7 @@
 PY ?= python3
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup run serve test test-fast test-slow lint format typecheck dry-run bench clean
+.PHONY: setup run serve serve-demo test test-fast test-slow lint format typecheck dry-run bench clean
 
 setup:
 	PYTHON=$(PY) bash scripts/setup.sh
@@ -15,6 +15,11 @@ run: setup
 # (docs/usage.md, "Serve and learn"); ARGS as for run, e.g. make serve ARGS="serve.port=8001"
 serve: setup
 	$(PY) -m draft_opd_ray.serve $(ARGS)
+
+# The server learning from replayed ShareGPT traffic against the same server with its draft fixed (~20 min on a
+# 2-core CPU box): tau over time with intervals, latency around refits, a plot; ARGS: the demo's options
+serve-demo: setup
+	$(PY) -m draft_opd_ray.serve.demo $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check draft_opd_ray tests bench

@@ -51,8 +51,12 @@ def stopped(run_dir: Path) -> str:
 
 
 def check_port(host: str, port: int) -> None:
-    """The server's address is free (before any model loads): a port in use is a config error."""
+    """The server's address is free (before any model loads): a port another process listens on is a config error
+    (connections of a server that just stopped, still in TIME_WAIT there, are not)."""
     with socket.socket() as s:
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as the server binds: only a listener blocks it
         try:
             s.bind((host, port))
         except OSError as e:
@@ -241,10 +245,11 @@ async def learn(refitter: Refitter, learner: Any) -> None:
         decision = None
         if learner.guard is not None:
             decision = await asyncio.to_thread(learner.judge, list(feed.held), weights)
-        step_s, refit_s = time.perf_counter() - t0, 0.0
+        step_s, refit_s, refit_at = time.perf_counter() - t0, 0.0, float("nan")
         served = status.version
         if decision is None or decision.publish:
             feed.add(await refitter.take())  # steps drafted by the serving version until the refit below
+            refit_at = time.time()
             refit_s = await refitter.refit(weights, candidate)
             await asyncio.to_thread(learner.published)
             status.version = candidate
@@ -265,6 +270,7 @@ async def learn(refitter: Refitter, learner: Any) -> None:
             tau_serving=tau,
             step_s=step_s,
             refit_s=refit_s,
+            refit_at=refit_at,  # wall clock (seconds since the epoch): requests in flight then saw the refit
             **guard,
             **{k: v for k, v in row.items() if isinstance(v, (int, float))},
         )
@@ -297,6 +303,7 @@ def log_requests(path: Path, records: list[Any]) -> None:
                 json_line(
                     {
                         "closed_at": now,
+                        "prompt": prompt_key(r.prompt_ids),
                         "prompt_tokens": len(r.prompt_ids),
                         "response_tokens": len(r.response_ids),
                         "steps": r.num_steps,
@@ -306,6 +313,13 @@ def log_requests(path: Path, records: list[Any]) -> None:
                     }
                 )
             )
+
+
+def prompt_key(ids: list[int]) -> str:
+    """A short hash of a prompt's ids: the same request in two runs (the demo pairs its arms by it)."""
+    import hashlib
+
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def save_version(learner: Any, run_dir: Path, version: int, what: str) -> Path:
