@@ -281,6 +281,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             capsize=3,
             label=f"{arm} ({', '.join(map(str, a['published'])) or '-'})",
         )
+    ax.set_xticks(range(1, max(len(a["tau_by_window"]) for a in report["arms"].values()) + 1))
     ax.set_xlabel("window of finished requests (in the order they finished)")
     ax.set_ylabel("served τ (committed tokens per verification step)")
     ax.set_title(

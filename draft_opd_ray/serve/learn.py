@@ -18,8 +18,16 @@ from draft_opd_ray.wire import RequestRecord
 
 class TrafficLearner:
     def __init__(self, cfg: Config, target: str, draft_dir: str) -> None:
-        """A replay actor and one learner rank on the connected Ray, started from the served draft; the learner's
-        schedule lasts `serve.max_versions` steps of `learner.mini_batches` updates."""
+        """A replay actor, one learner rank and the guard on the connected Ray, started from the served draft; the
+        learner's schedule lasts `serve.max_versions` steps of `learner.mini_batches` updates."""
+        self.cfg, self.target = cfg, target
+        self.steps = 0  # candidates made (a restarted learner goes on counting)
+        self.restarts = 0
+        self._start(draft_dir)
+
+    def _start(self, draft_dir: str) -> None:
+        import ray
+
         from draft_opd_ray.loop.actors import (
             LearnerGroup,
             ReplayGroup,
@@ -27,9 +35,10 @@ class TrafficLearner:
             start_replay_actor,
         )
         from draft_opd_ray.opd.learner import LearnerRun
+        from draft_opd_ray.serve.guard import GuardActor
 
-        self.cfg = cfg
-        # no bundles: the server's engine is not a Ray actor, so there is no plan to place these two in
+        cfg, target = self.cfg, self.target
+        # no bundles: the server's engine is not a Ray actor, so there is no plan to place these in
         options = {"num_cpus": 0, "num_gpus": 1 if cfg.cluster.gpus_per_node > 0 else 0}
         self.replay = ReplayGroup([start_replay_actor(cfg, target, draft_dir, dict(options), None)])
         run = LearnerRun(
@@ -42,18 +51,27 @@ class TrafficLearner:
             1, lambda r: dict(options), run, (cfg.draft, cfg.loss, cfg.optim, cfg.learner)
         )
         self.learner = LearnerGroup(ranks)
-        self.steps = 0
         self.guard: Any = None
         if cfg.serve.guard:
-            import ray
-
-            from draft_opd_ray.serve.guard import GuardActor
-
             self.guard = (
                 ray.remote(GuardActor)
                 .options(**options)
                 .remote(cfg.draft.kind, draft_dir, target, cfg.draft.num_speculative_tokens)
             )
+
+    def restart(self, draft_dir: str) -> None:
+        """A learner that failed (an actor died, a step timed out) comes back from ``draft_dir``, the draft the
+        server serves: every actor started again from it (the optimizer's moments start over)."""
+        import contextlib
+
+        import ray
+
+        for actor in [*self.replay.actors, *self.learner.ranks, self.guard]:
+            if actor is not None:
+                with contextlib.suppress(Exception):  # already dead: nothing to stop
+                    ray.kill(actor)
+        self.restarts += 1
+        self._start(draft_dir)
 
     def judge(self, held: Sequence[RequestRecord], weights: dict[str, Any]) -> Any:
         """The guard's decision on a candidate (`serve/guard.py`), from the held-back requests ``held``."""

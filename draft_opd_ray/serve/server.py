@@ -143,6 +143,7 @@ class Status:
     refused: list[int] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     error: str | None = None
+    learner_restarts: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         t = self.traffic
@@ -155,6 +156,7 @@ class Status:
             "open_requests": len(t.open),
             "orphans": t.orphans,
             "learning": self.learning,
+            "learner_restarts": self.learner_restarts,
             "error": self.error,
         }
 
@@ -162,8 +164,11 @@ class Status:
 class Refitter:
     """The learning task's side of the engine: take the captured traffic, refit a new version, prove it."""
 
-    def __init__(self, client: Any, cfg: Config, status: Status, run_dir: Path, metrics: Any) -> None:
+    def __init__(
+        self, client: Any, cfg: Config, status: Status, run_dir: Path, metrics: Any, draft: str
+    ) -> None:
         self.client, self.cfg, self.status, self.run_dir, self.metrics = client, cfg, status, run_dir, metrics
+        self.draft = draft  # the folder the server started with
 
     async def take(self) -> list[Any]:
         """The requests the capture closed since the last take (steps of rank 0: every rank sees the same)."""
@@ -179,14 +184,29 @@ class Refitter:
     async def refit(self, weights: dict[str, Any], version: int) -> float:
         """Load ``weights`` as ``version`` into the running engine and check the engine's read-back against them;
         returns the seconds it took. The requests in flight go on (their next steps are drafted by the new
-        version)."""
+        version). A load that fails its proof is undone: the served version is loaded back and proved, and
+        `RefitRolledBack` says so."""
+        from draft_opd_ray.errors import RefitError
+
+        t0 = time.perf_counter()
+        try:
+            await self._load_and_prove(weights, version)
+        except RefitError as e:  # back to what was served, proved too: the candidate never serves
+            from safetensors.torch import load_file
+
+            folder = Path(served_draft(self.run_dir, self.draft))
+            back = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k in weights}
+            await self._load_and_prove(back, self.status.version)
+            raise RefitRolledBack(f"{e}; rolled back to version {self.status.version}, proved") from None
+        return time.perf_counter() - t0
+
+    async def _load_and_prove(self, weights: dict[str, Any], version: int) -> None:
         import torch
 
         from draft_opd_ray.drafts import registry
         from draft_opd_ray.sync import receiver
         from draft_opd_ray.sync.refit import check_ack, fingerprints
 
-        t0 = time.perf_counter()
         with receiver.weights_file(weights) as path:
             await self.client.collective_rpc("load_draft_weights", args=(path, version))
         await self.client.reset_prefix_cache()  # blocks of finished requests hold the old draft's KV
@@ -196,7 +216,25 @@ class Refitter:
             ranks, self.client.vllm_config, "the server's engine", kind.vllm_aliases
         )
         check_ack(ack, version, {ack.dtype: fingerprints(weights.items(), getattr(torch, ack.dtype))})
-        return time.perf_counter() - t0
+
+
+class RefitRolledBack(Exception):
+    """A candidate's refit failed its proof and the served version was loaded back (and proved)."""
+
+
+def learner_failures() -> tuple[type[BaseException], ...]:
+    """What a learner step raises when an actor died or timed out (imported when needed: Ray loads slowly)."""
+    from ray.exceptions import RayActorError
+
+    from draft_opd_ray.errors import RunError
+
+    return (RunError, RayActorError)
+
+
+def served_draft(run_dir: Path, first: str) -> str:
+    """The folder of the draft the server serves: the last published version, else the one it started with."""
+    latest = run_dir / "checkpoints" / "serve" / "latest" / "draft"
+    return str(latest.resolve()) if latest.exists() else first
 
 
 class Feed:
@@ -226,9 +264,9 @@ class Feed:
 
 async def learn(refitter: Refitter, learner: Any) -> None:
     """The learning task: take the traffic every `serve.poll_s`; once `serve.requests_per_update` requests wait (and
-    the guard's held-back slice is full), step the learner (in a thread); the guard judges the candidate, and a
-    published one is refit into the engine, a refused one kept on disk. The learner stops after `serve.max_versions`
-    candidates."""
+    the guard's held-back slice is full), step the learner (in a thread) and publish or refuse the candidate
+    (`publish`). A learner that fails is restarted from the served draft; the server serves on. The learner stops
+    after `serve.max_versions` candidates."""
     cfg, status = refitter.cfg, refitter.status
     feed = Feed(cfg)
     while True:
@@ -238,57 +276,85 @@ async def learn(refitter: Refitter, learner: Any) -> None:
             continue
         batch = feed.batch()
         t0 = time.perf_counter()
-        row, weights = await asyncio.to_thread(learner.step, batch)
-        if not weights:
+        try:
+            row, weights = await asyncio.to_thread(learner.step, batch)
+            decision = None
+            if weights and learner.guard is not None:
+                decision = await asyncio.to_thread(learner.judge, list(feed.held), weights)
+        except learner_failures() as e:
+            await asyncio.to_thread(learner.restart, served_draft(refitter.run_dir, refitter.draft))
+            status.learner_restarts = learner.restarts
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            refitter.metrics.log("serve", learner.steps, decision="learner_restarted", why=why)
+            print(f"[serve] the learner failed ({why}); restarted from version {status.version}", flush=True)
             continue
-        candidate = learner.steps
-        decision = None
-        if learner.guard is not None:
-            decision = await asyncio.to_thread(learner.judge, list(feed.held), weights)
-        step_s, refit_s, refit_at = time.perf_counter() - t0, 0.0, float("nan")
-        served = status.version
-        if decision is None or decision.publish:
-            feed.add(await refitter.take())  # steps drafted by the serving version until the refit below
-            refit_at = time.time()
-            refit_s = await refitter.refit(weights, candidate)
-            await asyncio.to_thread(learner.published)
-            status.version = candidate
-            status.published.append(candidate)
-        else:
-            status.refused.append(candidate)
-        what = "published" if candidate in status.published else "refused"
-        await asyncio.to_thread(save_version, learner, refitter.run_dir, candidate, what)
-        tau = status.traffic.tau_by_version().get(served, float("nan"))
-        guard = {} if decision is None else {f"guard_{k}": v for k, v in decision.diff.items()}
-        refitter.metrics.log(
-            "serve",
-            candidate,
-            decision=what,
-            why=decision.why if decision is not None else "serve.guard=false",
-            requests=len(batch),
-            served_requests=status.traffic.requests,
-            tau_serving=tau,
-            step_s=step_s,
-            refit_s=refit_s,
-            refit_at=refit_at,  # wall clock (seconds since the epoch): requests in flight then saw the refit
-            **guard,
-            **{k: v for k, v in row.items() if isinstance(v, (int, float))},
-        )
-        print(
-            f"[serve] candidate {candidate} {what}"
-            + (f" ({decision.why})" if decision is not None else "")
-            + f": trained on {len(batch)} requests ({int(row.get('anchors', 0))} anchors)"
-            + (f", refit {refit_s:.2f} s, proved" if what == "published" else "")
-            + f"; served tau of version {served}: {tau:.3f}",
-            flush=True,
-        )
-        if candidate >= cfg.serve.max_versions:
+        if weights:
+            await publish(
+                refitter, learner, feed, (row, weights, decision), len(batch), time.perf_counter() - t0
+            )
+        if learner.steps >= cfg.serve.max_versions:
             print(
-                f"[serve] serve.max_versions={candidate} reached: the learner stops, the server serves on",
+                f"[serve] serve.max_versions={learner.steps} reached: the learner stops, the server serves on",
                 flush=True,
             )
             learner = None
             status.learning = False
+
+
+async def publish(
+    refitter: Refitter,
+    learner: Any,
+    feed: Feed,
+    stepped: tuple[dict[str, Any], Any, Any],
+    n: int,
+    step_s: float,
+) -> None:
+    """A candidate the guard let through (or every one with `serve.guard=false`) is refit into the engine and proved;
+    a refit that fails its proof is rolled back to the served version (`Refitter.refit`) and the candidate refused;
+    a candidate the guard refused is kept on disk. Each decision is a row of `metrics.jsonl`."""
+    row, weights, decision = stepped
+    status = refitter.status
+    candidate, served = learner.steps, status.version
+    why = decision.why if decision is not None else "serve.guard=false"
+    refit_s, refit_at = 0.0, float("nan")
+    if decision is None or decision.publish:
+        feed.add(await refitter.take())  # steps drafted by the serving version until the refit below
+        refit_at = time.time()
+        try:
+            refit_s = await refitter.refit(weights, candidate)
+        except RefitRolledBack as e:
+            why = str(e)
+        else:
+            await asyncio.to_thread(learner.published)
+            status.version = candidate
+            status.published.append(candidate)
+    what = "published" if status.version == candidate else "refused"
+    if what == "refused":
+        status.refused.append(candidate)
+    await asyncio.to_thread(save_version, learner, refitter.run_dir, candidate, what)
+    tau = status.traffic.tau_by_version().get(served, float("nan"))
+    guard = {} if decision is None else {f"guard_{k}": v for k, v in decision.diff.items()}
+    refitter.metrics.log(
+        "serve",
+        candidate,
+        decision=what,
+        why=why,
+        requests=n,
+        served_requests=status.traffic.requests,
+        tau_serving=tau,
+        step_s=step_s,
+        refit_s=refit_s,
+        refit_at=refit_at,  # wall clock (seconds since the epoch): requests in flight then saw the refit
+        **guard,
+        **{k: v for k, v in row.items() if isinstance(v, (int, float))},
+    )
+    print(
+        f"[serve] candidate {candidate} {what} ({why}): trained on {n} requests "
+        f"({int(row.get('anchors', 0))} anchors)"
+        + (f", refit {refit_s:.2f} s, proved" if what == "published" else "")
+        + f"; served tau of version {served}: {tau:.3f}",
+        flush=True,
+    )
 
 
 def log_requests(path: Path, records: list[Any]) -> None:
@@ -335,7 +401,9 @@ def save_version(learner: Any, run_dir: Path, version: int, what: str) -> Path:
     return write_checkpoint(root if what == "published" else root / "refused", f"v{version:04d}", fill)
 
 
-async def run_server(args: Any, cfg: Config, capture: tuple[Any, ...], learner: Any, run_dir: Path) -> Status:
+async def run_server(
+    args: Any, cfg: Config, capture: tuple[Any, ...], learner: Any, run_dir: Path, draft: str
+) -> Status:
     """vLLM's `run_server_worker`, with the capture installed, the status route and the learning task."""
     import vllm.envs as envs
     from fastapi.responses import JSONResponse
@@ -360,7 +428,8 @@ async def run_server(args: Any, cfg: Config, capture: tuple[Any, ...], learner: 
             app = build_app(args, tasks, client.model_config)
             await init_app_state(client, app.state, args, tasks)
             app.add_api_route(STATUS_ROUTE, lambda: JSONResponse(status.as_dict()), methods=["GET"])
-            task = asyncio.create_task(learn(Refitter(client, cfg, status, run_dir, metrics), learner))
+            refitter = Refitter(client, cfg, status, run_dir, metrics, draft)
+            task = asyncio.create_task(learn(refitter, learner))
             task.add_done_callback(lambda t: _learning_stopped(t, status))
             url = f"http://{cfg.serve.host}:{cfg.serve.port}"
             print(
@@ -387,8 +456,9 @@ async def run_server(args: Any, cfg: Config, capture: tuple[Any, ...], learner: 
 
 
 def _learning_stopped(task: asyncio.Task[None], status: Status) -> None:
-    """A learning task that failed (a learner step, a refit that failed its proof): the server serves on with the
-    last published version, and the status says why learning stopped."""
+    """A learning task that failed in a way it does not handle itself (a learner that fails is restarted, a refit
+    that fails its proof rolled back): the server serves on with the last published version, and the status says
+    why learning stopped."""
     if task.cancelled():
         return
     e = task.exception()
@@ -457,7 +527,7 @@ def serve(cfg: Config, run_dir: str) -> None:
             ),
             flush=True,
         )
-        status = uvloop.run(run_server(args, cfg, (topk, vocab, features), learner, rd))
+        status = uvloop.run(run_server(args, cfg, (topk, vocab, features), learner, rd, draft))
         print(f"[serve] stopped: {json.dumps(status.as_dict())}", flush=True)
     finally:
         if owned:

@@ -107,6 +107,10 @@ COMMANDS: dict[str, Row] = {
         why="a server runs until stopped: its recipe as make prints it",
         shows=("python -m draft_opd_ray.serve",),
     ),
+    "make serve-demo": skip(
+        "two servers on 96 ShareGPT prompts: ~20 min; its pieces run in tests/integration/test_serve_learns.py"
+    ),
+    "python -m draft_opd_ray.serve.demo": skip("the same demo (make serve-demo runs it)"),
     "python -m draft_opd_ray.serve": Row(
         run="python -m draft_opd_ray.serve dry_run=true serve.port={PORT}",
         why="a server runs until stopped (tests/integration/test_serve_learns.py starts one): its dry run, on a "

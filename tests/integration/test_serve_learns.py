@@ -150,7 +150,7 @@ def server(
     yield from _start(tiny_target, models, tmp_path_factory.mktemp("serve"), "serve.guard_margin=1.0")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test's: stopped when it ends (two CPU engines at once would share core 0)
 def refusing(
     tiny_target: Path, models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
@@ -277,6 +277,20 @@ def test_the_trained_draft_serves_with_stock_vllm(server: Server, tiny_target: P
     assert helpers.prom_counter(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
 
 
+@pytest.fixture  # one test's: stopped when it ends
+def restarting(
+    tiny_target: Path, models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A lenient guard and one candidate: the test kills the learner before it."""
+    yield from _start(
+        tiny_target,
+        models,
+        tmp_path_factory.mktemp("restarting"),
+        "serve.guard_margin=1.0",
+        "serve.max_versions=1",
+    )
+
+
 def _traffic_until(server: Server, tiny_target: Path, done: Any, timeout: float = 900) -> dict[str, Any]:
     """Rounds of the prompts at temperature 0, each answer checked against plain decoding, until ``done(status)``."""
     from openai import OpenAI
@@ -311,3 +325,34 @@ def test_a_refused_candidate_is_kept_and_not_served(refusing: Server, tiny_targe
         "[serve] candidate 1 refused (" in log
         and "refit" not in log.split("candidate 1 refused")[1].splitlines()[0]
     )
+
+
+def test_a_killed_learner_comes_back_and_the_server_serves_on(restarting: Server, tiny_target: Path) -> None:
+    """The learner's Ray actor (its process) killed while the server runs: answers go on (the target's), the next
+    step finds it dead, the learner is restarted from the served draft, and its first candidate is published."""
+    import psutil
+
+    def learners() -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if (
+                    "ray::Learner" in " ".join(p.info["cmdline"] or [])
+                    and os.getsid(p.pid) == restarting.proc.pid
+                ):
+                    out.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return out
+
+    (first,) = learners()
+    first.kill()
+    first.wait(timeout=30)
+    status = _traffic_until(restarting, tiny_target, lambda s: s["published"] == [0, 1])
+    print(f"status: {status}")
+    assert status["learner_restarts"] == 1 and status["error"] is None
+    (second,) = learners()
+    assert second.pid != first.pid
+    rows = [json.loads(x) for x in (restarting.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["decision"] for r in rows if r.get("stage") == "serve"] == ["learner_restarted", "published"]
+    assert "[serve] the learner failed (" in restarting.log.read_text()
