@@ -21,6 +21,7 @@ folder, `DraftKind.replay_needs` says what its replay ships.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +61,17 @@ class Student(Protocol):
 def cpu_state(sd: dict[str, torch.Tensor], skip: set[str]) -> dict[str, torch.Tensor]:
     """A detached CPU copy of a state dict, without the names in ``skip`` (what `rollout_state` publishes)."""
     return {k: v.detach().cpu().clone() for k, v in sd.items() if k not in skip}
+
+
+def load_state(model: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """``weights`` (names of `rollout_state`) copied into ``model`` in place; an unknown name is refused first."""
+    own = model.state_dict()
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise ValueError(f"draft weights with unknown names: {unknown[:5]}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
 
 
 class DraftStudent:

@@ -161,13 +161,9 @@ class ReplayActor:
         """A new draft version (the names of `Learner.rollout_state`); redraft uses it from the next call on."""
         if self.student is None:
             raise RuntimeError("this replay actor holds no draft (replay mode recorded, draft_topm 0)")
-        own = self.student.model.state_dict()
-        unknown = sorted(set(weights) - set(own))
-        if unknown:
-            raise ValueError(f"draft weights with unknown names: {unknown[:5]}")
-        with torch.no_grad():
-            for name, value in weights.items():
-                own[name].copy_(value)
+        from draft_opd_ray.drafts.student import load_state
+
+        load_state(self.student.model, weights)
         self.draft_version = int(version)
         return self.draft_version
 

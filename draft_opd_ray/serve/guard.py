@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import torch
 
+from draft_opd_ray.drafts.student import load_state
 from draft_opd_ray.wire import RequestRecord, captured_features
 
 
@@ -64,7 +65,7 @@ class GuardActor:
         self, records: Sequence[RequestRecord], weights: Mapping[str, torch.Tensor]
     ) -> dict[str, list[Any]]:
         """``weights`` into the candidate; both drafts' counts on ``records``: {"candidate": [...], "serving": [...]}."""
-        _load(self.candidate, weights)
+        load_state(self.candidate.model, weights)
         out: dict[str, list[Any]] = {"candidate": [], "serving": []}
         with torch.no_grad():
             for r in records:
@@ -79,7 +80,7 @@ class GuardActor:
 
     def publish(self) -> None:
         """The candidate is served now: it becomes the draft candidates are measured against."""
-        _load(self.serving, self.candidate.model.state_dict())
+        load_state(self.serving.model, self.candidate.model.state_dict())
 
     def _features(self, r: RequestRecord, ids: torch.Tensor) -> torch.Tensor:
         """The target's feature rows of the request: captured by the server's engine, else a target forward."""
@@ -102,13 +103,3 @@ def _matched(r: RequestRecord, n: int, block: Sequence[int]) -> int:
     while a < len(stream) and block[a] == stream[a]:
         a += 1
     return a
-
-
-def _load(student: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    own = student.model.state_dict()
-    unknown = sorted(set(weights) - set(own))
-    if unknown:
-        raise ValueError(f"draft weights with unknown names: {unknown[:5]}")
-    with torch.no_grad():
-        for name, value in weights.items():
-            own[name].copy_(value)
