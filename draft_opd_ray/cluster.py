@@ -101,11 +101,14 @@ def wait_reachable(address: str, timeout_s: float) -> None:
             time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
 
-def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
-    """Start a local Ray (`cluster.cpus_per_node` CPUs) or join RAY_ADDRESS / `cluster.ray_address`, in the
-    namespace of ``run_dir``. Returns True when this call initialised Ray, so the caller must `ray.shutdown()`
-    (which stops a local Ray and disconnects from a joined one, ending this run's actors); False when Ray was
-    already initialised by the caller (then its namespace and address are the caller's)."""
+def connect(
+    cfg: Config, run_dir: str | os.PathLike[str] | None = None, gpus: list[str] | None = None
+) -> bool:
+    """Start a local Ray (`cluster.cpus_per_node` CPUs; with ``gpus``, on those GPU ids alone) or join RAY_ADDRESS
+    / `cluster.ray_address`, in the namespace of ``run_dir``. Returns True when this call initialised Ray, so the
+    caller must `ray.shutdown()` (which stops a local Ray and disconnects from a joined one, ending this run's
+    actors); False when Ray was already initialised by the caller (then its namespace and address are the
+    caller's)."""
     import ray
 
     if ray.is_initialized():
@@ -114,14 +117,16 @@ def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
     ns = namespace_for(run_dir)
     env = runtime_env()  # a quiet run's library logging in every worker (logs.py)
     if address is None:
-        ray.init(
-            address="local",
-            num_cpus=int(cfg.cluster.cpus_per_node),
-            include_dashboard=False,
-            namespace=ns,
-            logging_level=logging.ERROR,  # its start-up notices are noise on stderr; the actors' logs still come
-            runtime_env=env or None,
-        )
+        with visible_devices(gpus):  # Ray takes its GPU ids from this process's CUDA_VISIBLE_DEVICES at start
+            ray.init(
+                address="local",
+                num_cpus=int(cfg.cluster.cpus_per_node),
+                num_gpus=None if gpus is None else len(gpus),
+                include_dashboard=False,
+                namespace=ns,
+                logging_level=logging.ERROR,  # its start-up notices are noise on stderr; the actors' logs still come
+                runtime_env=env or None,
+            )
         return True
     wait_reachable(address, cfg.cluster.connect_timeout_s)
     try:
@@ -129,6 +134,23 @@ def connect(cfg: Config, run_dir: str | os.PathLike[str] | None = None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ClusterError(f"cluster.ray_address: cannot join the Ray cluster at {address}: {e}") from None
     return True
+
+
+@contextlib.contextmanager
+def visible_devices(gpus: list[str] | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to ``gpus`` inside the block (nothing changes with None), then as it was."""
+    if gpus is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 # --------------------------------------------------------------------------------------------------

@@ -506,3 +506,38 @@ def prom_counter(metrics: str, name: str) -> float:
     import re
 
     return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, flags=re.M))
+
+
+class RefitEngine:
+    """Stands in for the server's `AsyncLLM` in `Refitter.refit`: loads the weights file a worker would, answers
+    `draft_fingerprints` from what it holds, except that the versions in ``corrupt`` come back with one tensor off
+    (a load that did not take)."""
+
+    def __init__(self, corrupt: set[int]) -> None:
+        import types
+
+        self.corrupt, self.held, self.version, self.loads = corrupt, {}, 0, []
+        spec = types.SimpleNamespace(
+            draft_parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+            draft_model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+        )
+        self.vllm_config = types.SimpleNamespace(speculative_config=spec)
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        from safetensors.torch import load_file
+
+        from draft_opd_ray.sync.refit import tensor_fingerprint
+
+        if method == "load_draft_weights":
+            self.held, self.version = load_file(args[0]), int(args[1])
+            self.loads.append(self.version)
+            return [len(self.held)]
+        assert method == "draft_fingerprints"
+        tensors = {n: list(tensor_fingerprint(t)) for n, t in self.held.items()}
+        if self.version in self.corrupt:
+            name = sorted(tensors)[0]
+            tensors[name] = [tensors[name][0] + 1, tensors[name][1]]
+        return [{"version": self.version, "dtype": "float32", "tensors": tensors}]
+
+    async def reset_prefix_cache(self) -> bool:
+        return True

@@ -36,11 +36,17 @@ class TrafficLearner:
         )
         from draft_opd_ray.opd.learner import LearnerRun
         from draft_opd_ray.serve.guard import GuardActor
+        from draft_opd_ray.serve.placement import learner_shares
 
         cfg, target = self.cfg, self.target
-        # no bundles: the server's engine is not a Ray actor, so there is no plan to place these in
-        options = {"num_cpus": 0, "num_gpus": 1 if cfg.cluster.gpus_per_node > 0 else 0}
-        self.replay = ReplayGroup([start_replay_actor(cfg, target, draft_dir, dict(options), None)])
+        # no bundles: the server's engine is not a Ray actor, so there is no plan to place these in; on GPUs each
+        # takes its share of the GPUs the local Ray was started on (`serve/placement.py`: the engine's are not)
+        gpus = learner_shares(cfg) if cfg.cluster.gpus_per_node > 0 else {}
+
+        def options(name: str) -> dict[str, Any]:
+            return {"num_cpus": 0, "num_gpus": gpus.get(name, 0)}
+
+        self.replay = ReplayGroup([start_replay_actor(cfg, target, draft_dir, options("replay"), None)])
         run = LearnerRun(
             draft_dir,
             target,
@@ -48,20 +54,21 @@ class TrafficLearner:
             num_threads=None if cfg.cluster.gpus_per_node > 0 else 1,
         )
         ranks = start_learner_ranks(
-            1, lambda r: dict(options), run, (cfg.draft, cfg.loss, cfg.optim, cfg.learner)
+            1, lambda r: options("learner"), run, (cfg.draft, cfg.loss, cfg.optim, cfg.learner)
         )
         self.learner = LearnerGroup(ranks)
         self.guard: Any = None
         if cfg.serve.guard:
             self.guard = (
                 ray.remote(GuardActor)
-                .options(**options)
+                .options(**options("guard"))
                 .remote(cfg.draft.kind, draft_dir, target, cfg.draft.num_speculative_tokens)
             )
 
-    def restart(self, draft_dir: str) -> None:
-        """A learner that failed (an actor died, a step timed out) comes back from ``draft_dir``, the draft the
-        server serves: every actor started again from it (the optimizer's moments start over)."""
+    def restart(self, draft_dir: str, failed: bool = True) -> None:
+        """A learner that failed (an actor died, a step timed out; ``failed``, counted in `restarts`), or one whose
+        server rolled back, comes back from ``draft_dir``, the draft the server serves: every actor started again
+        from it (the optimizer's moments start over)."""
         import contextlib
 
         import ray
@@ -70,7 +77,7 @@ class TrafficLearner:
             if actor is not None:
                 with contextlib.suppress(Exception):  # already dead: nothing to stop
                     ray.kill(actor)
-        self.restarts += 1
+        self.restarts += int(failed)
         self._start(draft_dir)
 
     def judge(self, held: Sequence[RequestRecord], weights: dict[str, Any]) -> Any:

@@ -12,8 +12,10 @@ The server is vLLM's own: its argument parser (`launchers/cli_args.py`), engine 
   (`serve/traffic.py`), and after `serve.requests_per_update` closed requests runs a learner step in a thread
   (`serve/learn.py`), writes the new version to a file the engine's workers reload in place, and checks the refit
   proof (`sync/refit.py`: the engine's read-back of every draft tensor against the published weights). A refit
-  that fails its proof stops the learning and the server serves on. Each published version is saved under
-  `<run dir>/checkpoints/serve/`, and a row goes to `metrics.jsonl`.
+  that fails its proof is rolled back to the served version. Each published version is saved under
+  `<run dir>/checkpoints/serve/`, and a row goes to `metrics.jsonl`;
+* the same task takes a rollback request (`serve/rollback.py`, written by `python -m draft_opd_ray.serve.rollback`)
+  and refits the published version it names.
 
 Speculative decoding is lossless: every answer is the target's, whichever version drafts it.
 """
@@ -32,22 +34,26 @@ from typing import Any
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import ConfigError
+from draft_opd_ray.serve import rollback
+from draft_opd_ray.serve.placement import serve_split
+from draft_opd_ray.serve.rollback import STATUS_ROUTE
 from draft_opd_ray.serve.traffic import Traffic
-
-STATUS_ROUTE = "/draft/status"
 
 
 def check(cfg: Config) -> None:
-    """The server's own check after the config's: its address is free."""
+    """The server's own checks after the config's: its address is free, and on GPUs the learner's side fits
+    beside the engine (`serve/placement.py`)."""
     check_port(cfg.serve.host, cfg.serve.port)
+    if cfg.serve.learn:
+        serve_split(cfg)
 
 
 def stopped(run_dir: Path) -> str:
-    """The closing line of a stopped server: the last draft it published."""
+    """The closing line of a stopped server: the draft it served last."""
     served = run_dir / "checkpoints" / "serve" / "latest"
     if served.exists():
-        return f"the server stopped; the last published draft is {served.resolve()}/draft"
-    return "the server stopped; no new draft version was published"
+        return f"the server stopped; the draft it served last is {served.resolve()}/draft"
+    return "the server stopped; it served the draft it started with (no new version, or rolled back to it)"
 
 
 def check_port(host: str, port: int) -> None:
@@ -84,6 +90,8 @@ def describe(cfg: Config, sized: list[Any] | None = None) -> str:
             else "learning: off (serve.learn=false): the draft is served as it is"
         ),
     ]
+    if s.learn and (split := serve_split(cfg)) is not None:
+        lines.append(split.describe())
     if sized:
         from draft_opd_ray.sizing import render
 
@@ -144,6 +152,7 @@ class Status:
     traffic: Traffic = field(default_factory=Traffic)
     error: str | None = None
     learner_restarts: int = 0
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # each request taken: to, from, error, ...
 
     def as_dict(self) -> dict[str, Any]:
         t = self.traffic
@@ -157,6 +166,7 @@ class Status:
             "orphans": t.orphans,
             "learning": self.learning,
             "learner_restarts": self.learner_restarts,
+            "rollbacks": list(self.rollbacks),
             "error": self.error,
         }
 
@@ -165,10 +175,21 @@ class Refitter:
     """The learning task's side of the engine: take the captured traffic, refit a new version, prove it."""
 
     def __init__(
-        self, client: Any, cfg: Config, status: Status, run_dir: Path, metrics: Any, draft: str
+        self,
+        client: Any,
+        cfg: Config,
+        status: Status,
+        run_dir: Path,
+        metrics: Any,
+        draft: str,
+        counters: Any = None,
     ) -> None:
         self.client, self.cfg, self.status, self.run_dir, self.metrics = client, cfg, status, run_dir, metrics
+        self.counters = (
+            counters  # `serve/counters.py`: by-version counts on vLLM's /metrics (None: none kept)
+        )
         self.draft = draft  # the folder the server started with
+        self.keys: set[str] | None = None  # the tensor names a refit sends (set by the first one)
 
     async def take(self) -> list[Any]:
         """The requests the capture closed since the last take (steps of rank 0: every rank sees the same)."""
@@ -179,7 +200,16 @@ class Refitter:
         closed = self.status.traffic.add(steps, self.status.version)
         if closed:
             log_requests(self.run_dir / "traffic.jsonl", closed)
+            if self.counters is not None:
+                self.counters.add(closed)
         return closed
+
+    def decided(self, step: int, decision: str, **row: Any) -> None:
+        """A decision of the learning task (published, refused, dropped, learner_restarted, rolled_back, ...): a
+        `serve` row of `metrics.jsonl`, and the Prometheus counters."""
+        self.metrics.log("serve", step, decision=decision, **row)
+        if self.counters is not None:
+            self.counters.decided(decision, self.status.version)
 
     async def refit(self, weights: dict[str, Any], version: int) -> float:
         """Load ``weights`` as ``version`` into the running engine and check the engine's read-back against them;
@@ -189,14 +219,12 @@ class Refitter:
         from draft_opd_ray.errors import RefitError
 
         t0 = time.perf_counter()
+        self.keys = set(weights)
         try:
             await self._load_and_prove(weights, version)
         except RefitError as e:  # back to what was served, proved too: the candidate never serves
-            from safetensors.torch import load_file
-
             folder = Path(served_draft(self.run_dir, self.draft))
-            back = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k in weights}
-            await self._load_and_prove(back, self.status.version)
+            await self._load_and_prove(folder_weights(folder, set(weights)), self.status.version)
             raise RefitRolledBack(f"{e}; rolled back to version {self.status.version}, proved") from None
         return time.perf_counter() - t0
 
@@ -217,6 +245,73 @@ class Refitter:
         )
         check_ack(ack, version, {ack.dtype: fingerprints(weights.items(), getattr(torch, ack.dtype))})
 
+    async def roll_back(self, learner: Any, feed: Feed, request: dict[str, Any]) -> Any:
+        """A rollback request (`serve/rollback.py`): the published version it names refit into the engine and
+        proved, `latest` pointed at it, the training queue emptied (its requests were drafted by the version left),
+        and the learner restarted from it (or stopped, with ``freeze``). Returns the learner, None once stopped.
+        The answer is listed in the status's `rollbacks` and is a row of `metrics.jsonl`."""
+        status = self.status
+        to, served = request.get("version"), status.version
+        entry: dict[str, Any] = {"id": request.get("id"), "to": to, "from": served, "at": time.time()}
+        entry.update(error=request.get("error"), refit_s=0.0)
+        if entry["error"] is None and (not isinstance(to, int) or to not in status.published):
+            entry["error"] = (
+                f"version {to} was never published by this server (published: {status.published})"
+            )
+        if isinstance(to, int) and entry["error"] is None and to != served:
+            folder = version_folder(self.run_dir, self.draft, to)
+            try:
+                entry["refit_s"] = round(await self.refit(folder_weights(folder, self.keys), to), 3)
+            except RefitRolledBack as e:
+                entry["error"] = str(e)
+            else:
+                status.version = to
+                point_served(self.run_dir, to)
+                feed.pending.clear()
+                if learner is not None and not request.get("freeze"):
+                    await asyncio.to_thread(learner.restart, str(folder), False)
+                    entry["learner"] = f"the learner restarted from version {to}"
+                elif learner is None:
+                    entry["learner"] = "no learner runs: the server serves it as it is"
+        if entry["error"] is None and request.get("freeze") and learner is not None:
+            learner, status.learning = None, False
+            entry["learner"] = "learning stopped"
+        status.rollbacks.append(entry)
+        decision = "rolled_back" if entry["error"] is None else "rollback_failed"
+        row = {k: v for k, v in entry.items() if k != "id" and v is not None}
+        self.decided(max(status.published + status.refused), decision, **row)
+        print(
+            f"[serve] rollback to version {to}: "
+            + (entry["error"] or f"served again (was {served}; refit {entry['refit_s']:.2f} s, proved)"),
+            flush=True,
+        )
+        return learner
+
+
+def folder_weights(folder: Path | str, keys: set[str] | None) -> dict[str, Any]:
+    """A draft folder's tensors that a refit sends (``keys``; all of them when no refit has run yet)."""
+    from safetensors.torch import load_file
+
+    got = load_file(str(Path(folder) / "model.safetensors"))
+    return {k: v for k, v in got.items() if keys is None or k in keys}
+
+
+def version_folder(run_dir: Path, first: str, version: int) -> Path:
+    """The draft folder of a published version: version 0 is the one the server started with."""
+    return Path(first) if version == 0 else run_dir / "checkpoints" / "serve" / f"v{version:04d}" / "draft"
+
+
+def point_served(run_dir: Path, version: int) -> None:
+    """`checkpoints/serve/latest` names the served version (none for version 0: `served_draft` then gives the
+    folder the server started with)."""
+    from draft_opd_ray.checkpoint import LATEST, point_latest
+
+    root = run_dir / "checkpoints" / "serve"
+    if version == 0:
+        (root / LATEST).unlink(missing_ok=True)
+    else:
+        point_latest(root, f"v{version:04d}")
+
 
 class RefitRolledBack(Exception):
     """A candidate's refit failed its proof and the served version was loaded back (and proved)."""
@@ -232,7 +327,8 @@ def learner_failures() -> tuple[type[BaseException], ...]:
 
 
 def served_draft(run_dir: Path, first: str) -> str:
-    """The folder of the draft the server serves: the last published version, else the one it started with."""
+    """The folder of the draft the server serves: the version `latest` names (the last published one, or the one
+    rolled back to), else the one it started with."""
     latest = run_dir / "checkpoints" / "serve" / "latest" / "draft"
     return str(latest.resolve()) if latest.exists() else first
 
@@ -266,12 +362,16 @@ async def learn(refitter: Refitter, learner: Any) -> None:
     """The learning task: take the traffic every `serve.poll_s`; once `serve.requests_per_update` requests wait (and
     the guard's held-back slice is full), step the learner (in a thread) and publish or refuse the candidate
     (`publish`). A learner that fails is restarted from the served draft; the server serves on. The learner stops
-    after `serve.max_versions` candidates."""
+    after `serve.max_versions` candidates. A rollback request is taken at each poll (`Refitter.roll_back`); a
+    candidate that finished training after one was asked for is dropped."""
     cfg, status = refitter.cfg, refitter.status
     feed = Feed(cfg)
     while True:
         await asyncio.sleep(cfg.serve.poll_s)
         feed.add(await refitter.take())
+        if (request := rollback.take_request(refitter.run_dir)) is not None:
+            learner = await refitter.roll_back(learner, feed, request)
+            continue
         if learner is None or not feed.ready(cfg.serve.requests_per_update):
             continue
         batch = feed.batch()
@@ -285,10 +385,13 @@ async def learn(refitter: Refitter, learner: Any) -> None:
             await asyncio.to_thread(learner.restart, served_draft(refitter.run_dir, refitter.draft))
             status.learner_restarts = learner.restarts
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            refitter.metrics.log("serve", learner.steps, decision="learner_restarted", why=why)
+            refitter.decided(learner.steps, "learner_restarted", why=why)
             print(f"[serve] the learner failed ({why}); restarted from version {status.version}", flush=True)
             continue
-        if weights:
+        if weights and rollback.waiting(refitter.run_dir):
+            refitter.decided(learner.steps, "dropped", why="a rollback was asked for")
+            print(f"[serve] candidate {learner.steps} dropped: a rollback was asked for", flush=True)
+        elif weights:
             await publish(
                 refitter, learner, feed, (row, weights, decision), len(batch), time.perf_counter() - t0
             )
@@ -334,10 +437,9 @@ async def publish(
     await asyncio.to_thread(save_version, learner, refitter.run_dir, candidate, what)
     tau = status.traffic.tau_by_version().get(served, float("nan"))
     guard = {} if decision is None else {f"guard_{k}": v for k, v in decision.diff.items()}
-    refitter.metrics.log(
-        "serve",
+    refitter.decided(
         candidate,
-        decision=what,
+        what,
         why=why,
         requests=n,
         served_requests=status.traffic.requests,
@@ -414,6 +516,7 @@ async def run_server(
 
     from draft_opd_ray.logs import tqdm_on_load
     from draft_opd_ray.metrics import MetricsLogger
+    from draft_opd_ray.serve.counters import VersionCounters
 
     status = Status(learning=learner is not None)
     metrics = MetricsLogger(
@@ -428,7 +531,7 @@ async def run_server(
             app = build_app(args, tasks, client.model_config)
             await init_app_state(client, app.state, args, tasks)
             app.add_api_route(STATUS_ROUTE, lambda: JSONResponse(status.as_dict()), methods=["GET"])
-            refitter = Refitter(client, cfg, status, run_dir, metrics, draft)
+            refitter = Refitter(client, cfg, status, run_dir, metrics, draft, VersionCounters())
             task = asyncio.create_task(learn(refitter, learner))
             task.add_done_callback(lambda t: _learning_stopped(t, status))
             url = f"http://{cfg.serve.host}:{cfg.serve.port}"
@@ -486,7 +589,8 @@ def serve(cfg: Config, run_dir: str) -> None:
     rd.mkdir(parents=True, exist_ok=True)
     waits.configure(cfg.cluster.actor_timeout_s)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.rollout.kvcache_gb)))
-    owned = cluster.connect(cfg, rd)
+    split = serve_split(cfg) if cfg.serve.learn else None
+    owned = cluster.connect(cfg, rd, gpus=None if split is None else split.ray)
     try:
         target, tokenizer, _ = prepare_target(cfg)
         draft = cfg.draft.path

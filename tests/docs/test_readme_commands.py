@@ -111,6 +111,25 @@ COMMANDS: dict[str, Row] = {
         "two servers on 96 ShareGPT prompts: ~20 min; its pieces run in tests/integration/test_serve_learns.py"
     ),
     "python -m draft_opd_ray.serve.demo": skip("the same demo (make serve-demo runs it)"),
+    "python -m draft_opd_ray.serve.rollback outputs/2026-12-07/10-00-00 1": Row(
+        run=f"python -m draft_opd_ray.serve.rollback {{WORK}}/{RUN} 1",
+        why="it acts on a running server (tests/integration/test_serve_learns.py rolls one back): on the example "
+        "run dir, which no server ran, its one error line",
+        rc=2,
+        shows=("error: RUN_DIR: ", "no serve.port: not a server's run dir"),
+    ),
+    "python -m draft_opd_ray.serve.rollback outputs/2026-12-07/10-00-00 1 --freeze": Row(
+        run="python -m draft_opd_ray.serve.rollback --help",
+        why="the same on a running server, learning stopped too: its help names the option",
+        shows=("--freeze", "stop learning too"),
+    ),
+    "python -m draft_opd_ray.serve +cluster=gpu_shared": Row(
+        run="CUDA_VISIBLE_DEVICES= python -m draft_opd_ray.serve +cluster=gpu_shared dry_run=true serve.port={PORT}",
+        why="a server on one GPU runs until stopped: its dry run prints where the engine and the learner go",
+        shows=(
+            "GPUs: vLLM's engine on ['0']; the learner's side (replay 0.25, learner 0.25, guard 0.25 GPU) on ['0']",
+        ),
+    ),
     "python -m draft_opd_ray.serve": Row(
         run="python -m draft_opd_ray.serve dry_run=true serve.port={PORT}",
         why="a server runs until stopped (tests/integration/test_serve_learns.py starts one): its dry run, on a "

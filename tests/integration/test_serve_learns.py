@@ -6,8 +6,9 @@ refit into the running engine and proved.
 One server serves every test of this module (its start-up is most of the cost):
 - at temperature 0 every answer equals the target's plain greedy decoding, before, during and after two refits;
 - `GET /draft/status` reports the versions published and τ by version, and vLLM's `/metrics` still answers;
+- `python -m draft_opd_ray.serve.rollback` makes it serve version 1 again, proved, the answers still the target's;
 - a malformed request gets vLLM's own 4xx, and the server and its learner go on;
-- Ctrl-C (SIGINT) stops it: exit 130, one `interrupted:` line naming the last published draft, no process left;
+- Ctrl-C (SIGINT) stops it: exit 130, one `interrupted:` line naming the draft it served last, no process left;
 - that trained draft, served by stock vLLM (`vllm serve` as the run's closing screen prints it), answers as plain
   decoding too.
 """
@@ -200,6 +201,55 @@ def test_answers_equal_plain_decoding_across_two_refits(server: Server, tiny_tar
     assert 0 < sum(t["accepted"] for t in traffic) < sum(t["steps"] * K for t in traffic)  # accepted, not all
     metrics = _get(f"{server.url}/metrics")
     assert "vllm:spec_decode_num_draft_tokens_total" in metrics
+    # the same counts by draft version (`serve/counters.py`), from the requests closed so far
+    drafts = helpers.prom_counter(metrics, "draft_opd_ray:spec_decode_num_drafts_total")
+    assert drafts >= sum(t["steps"] for t in traffic) > 0
+    for v in ("0", "1"):
+        assert f'draft_opd_ray:spec_decode_num_drafts_total{{draft_version="{v}"}}' in metrics
+    assert f"draft_opd_ray:draft_version {float(VERSIONS)}" in metrics
+    assert helpers.prom_counter(metrics, "draft_opd_ray:draft_decisions_total") == VERSIONS
+
+
+def _rollback(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "draft_opd_ray.serve.rollback", str(server.run_dir), *args],
+        cwd=helpers.REPO,
+        env={**os.environ, "PYTHONPATH": str(helpers.REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_rollback_serves_an_earlier_version_and_answers_stay_the_targets(
+    server: Server, tiny_target: Path
+) -> None:
+    """After the two refits: `python -m draft_opd_ray.serve.rollback RUN_DIR 1` while the server runs; version 1
+    serves again (refit and proved), `latest` names it, and the answers are still plain decoding's. A version the
+    server never published is one `error:` line, exit 2, and changes nothing."""
+    assert _get(f"{server.url}/draft/status")["version"] == VERSIONS, "runs after the two refits"
+    out = _rollback(server, "1")
+    assert out.returncode == 0, out.stderr + server.log.read_text()[-3000:]
+    assert out.stdout.startswith(f"version 1 serves again (was {VERSIONS}; refit "), out.stdout
+    status = _traffic_until(server, tiny_target, lambda s: True)  # a round drafted by version 1
+    (entry,) = status["rollbacks"]
+    assert (
+        status["version"] == 1 and entry["to"] == 1 and entry["from"] == VERSIONS and entry["error"] is None
+    )
+    assert status["tau_by_version"]["1"] >= 1.0
+    latest = (server.run_dir / "checkpoints" / "serve" / "latest").resolve()
+    assert latest.name == "v0001" and not (server.run_dir / "rollback.json").exists()
+    rows = [json.loads(x) for x in (server.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r.get("decision") == "rolled_back"]
+    assert row["to"] == 1 and row["from"] == VERSIONS and row["refit_s"] > 0
+    bad = _rollback(server, "7")
+    assert bad.returncode == 2 and bad.stdout == "", bad
+    assert bad.stderr.splitlines() == [
+        f"error: VERSION: version 7 was never published by this server (published: {list(range(VERSIONS + 1))})"
+    ]
+    same = _rollback(server, "1")
+    assert same.returncode == 0 and "already serves version 1" in same.stdout
+    assert len(_get(f"{server.url}/draft/status")["rollbacks"]) == 1
 
 
 def test_a_malformed_request_gets_vllms_4xx_and_serving_goes_on(server: Server, tiny_target: Path) -> None:
@@ -232,8 +282,9 @@ def test_ctrl_c_stops_everything_with_exit_130(server: Server) -> None:
 
 
 def test_the_trained_draft_serves_with_stock_vllm(server: Server, tiny_target: Path) -> None:
-    """The last version the server published, as a folder, under stock vLLM's OpenAI server started with the line a
-    run prints (`eval/summary.serve_command`): the same answers at temperature 0, and the draft proposes."""
+    """The version the server served last (`latest`: version 1, rolled back to), as a folder, under stock vLLM's
+    OpenAI server started with the line a run prints (`eval/summary.serve_command`): the same answers at
+    temperature 0, and the draft proposes."""
     import shlex
 
     from openai import OpenAI
@@ -242,7 +293,7 @@ def test_the_trained_draft_serves_with_stock_vllm(server: Server, tiny_target: P
 
     assert server.proc.poll() is not None, "runs after the Ctrl-C test: one server at a time"
     folder = (server.run_dir / "checkpoints" / "serve" / "latest" / "draft").resolve()
-    assert folder.name == "draft" and folder.parent.name == f"v{VERSIONS:04d}"
+    assert folder.name == "draft" and folder.parent.name == "v0001"
     report = {
         "target": str(tiny_target),
         "speculative_config": {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K},

@@ -15,7 +15,7 @@ from draft_opd_ray.config.schema import Config
 from draft_opd_ray.serve.guard import GuardActor, _matched, decide
 from draft_opd_ray.serve.server import Feed
 from draft_opd_ray.wire import RequestRecord
-from tests.helpers import perturbed, randomize_
+from tests.helpers import RefitEngine, perturbed, randomize_
 
 
 def _counts(taus: list[float], steps: int = 50) -> list[dict[str, float]]:
@@ -102,41 +102,6 @@ def test_guard_keys_are_checked(bad: dict[str, int]) -> None:
         ServeConfig(**bad)  # type: ignore[arg-type]
 
 
-class _Engine:
-    """Stands in for the server's `AsyncLLM` in `Refitter.refit`: loads the weights file a worker would, answers
-    `draft_fingerprints` from what it holds, except that the versions in ``corrupt`` come back with one tensor off
-    (a load that did not take)."""
-
-    def __init__(self, corrupt: set[int]) -> None:
-        import types
-
-        self.corrupt, self.held, self.version, self.loads = corrupt, {}, 0, []
-        spec = types.SimpleNamespace(
-            draft_parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
-            draft_model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 2),
-        )
-        self.vllm_config = types.SimpleNamespace(speculative_config=spec)
-
-    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
-        from safetensors.torch import load_file
-
-        from draft_opd_ray.sync.refit import tensor_fingerprint
-
-        if method == "load_draft_weights":
-            self.held, self.version = load_file(args[0]), int(args[1])
-            self.loads.append(self.version)
-            return [len(self.held)]
-        assert method == "draft_fingerprints"
-        tensors = {n: list(tensor_fingerprint(t)) for n, t in self.held.items()}
-        if self.version in self.corrupt:
-            name = sorted(tensors)[0]
-            tensors[name] = [tensors[name][0] + 1, tensors[name][1]]
-        return [{"version": self.version, "dtype": "float32", "tensors": tensors}]
-
-    async def reset_prefix_cache(self) -> bool:
-        return True
-
-
 def test_a_refit_that_fails_its_proof_is_rolled_back_and_proved(tmp_path: Path) -> None:
     import asyncio
 
@@ -153,11 +118,11 @@ def test_a_refit_that_fails_its_proof_is_rolled_back_and_proved(tmp_path: Path) 
     status = Status(learning=True)
     candidate = {k: v + 1.0 for k, v in served.items()}
 
-    good = _Engine(corrupt=set())
+    good = RefitEngine(corrupt=set())
     assert asyncio.run(Refitter(good, cfg, status, tmp_path, None, str(folder)).refit(candidate, 1)) >= 0
     assert good.loads == [1] and torch.equal(good.held["fc.weight"], candidate["fc.weight"])
 
-    bad = _Engine(corrupt={1})  # version 1 reads back wrong: the served version 0 is loaded back
+    bad = RefitEngine(corrupt={1})  # version 1 reads back wrong: the served version 0 is loaded back
     with pytest.raises(RefitRolledBack, match="rolled back to version 0, proved"):
         asyncio.run(Refitter(bad, cfg, status, tmp_path, None, str(folder)).refit(candidate, 1))
     assert bad.loads == [1, 0] and bad.version == 0
