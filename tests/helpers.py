@@ -541,3 +541,67 @@ class RefitEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return True
+
+
+def greedy_and_head(
+    target: Path, prompts: Sequence[str], max_tokens: int, out: Path
+) -> tuple[list[list[int]], list[list[int]], Path]:
+    """The prompts' ids, their plain greedy answers from transformers (``max_tokens`` each), and an EAGLE-3 head for
+    ``target`` saved in ``out``: a draft vocabulary of the ids those answers use (+1) and random weights, so that
+    some of its proposals are accepted and some not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    ids = [tok(p)["input_ids"] for p in prompts]
+    with torch.no_grad():
+        plain = [
+            hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p) :].tolist()
+            for p in ids
+        ]
+    counts = torch.zeros(hf.config.vocab_size)
+    for answer in plain:
+        counts[answer] += 1
+    draft = init_eagle3(target, draft_vocab_size=int((counts > 0).sum()) + 1, token_counts=counts)
+    randomize_(draft, 0.3, torch.Generator().manual_seed(4))
+    return ids, plain, save_eagle3(draft, out, target)
+
+
+@contextlib.contextmanager
+def stock_vllm_server(target: Path, folder: Path, k: int, log: Path) -> Iterator[str]:
+    """Stock vLLM's OpenAI server on ``target`` with the EAGLE-3 ``folder`` (K = ``k``), started with the line a run
+    prints (`eval/summary.serve_command`) plus the flags of a CPU box and a port of its own; yields its URL once it
+    is healthy, and stops it after."""
+    import shlex
+
+    from draft_opd_ray.eval.summary import serve_command
+
+    report = {
+        "target": str(target),
+        "speculative_config": {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k},
+    }
+    port = free_port()
+    cmd = shlex.split(serve_command(report)) + [
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
+        *("--enforce-eager", "--seed", "0"),
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=400, log=log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

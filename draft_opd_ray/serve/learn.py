@@ -10,10 +10,25 @@ server to refit. Its calls block on Ray: the server runs them in a thread, so re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.wire import RequestRecord
+
+MOMENTS = "optimizer.pt"  # in checkpoints/serve/: the learner's optimizer state at the last published version
+
+
+def moments(root: Path, version: int) -> Any:
+    """The optimizer state saved with the published ``version`` (`TrafficLearner.save_moments`), or None when the
+    one on disk belongs to another version (a rollback went further back) or there is none."""
+    from draft_opd_ray.checkpoint import load_state
+
+    path = root / MOMENTS
+    if not path.is_file():
+        return None
+    saved = load_state(path)
+    return saved if int(saved.get("version", -1)) == version else None
 
 
 class TrafficLearner:
@@ -65,10 +80,10 @@ class TrafficLearner:
                 .remote(cfg.draft.kind, draft_dir, target, cfg.draft.num_speculative_tokens)
             )
 
-    def restart(self, draft_dir: str, failed: bool = True) -> None:
+    def restart(self, draft_dir: str, failed: bool = True, moments: Any = None) -> None:
         """A learner that failed (an actor died, a step timed out; ``failed``, counted in `restarts`), or one whose
         server rolled back, comes back from ``draft_dir``, the draft the server serves: every actor started again
-        from it (the optimizer's moments start over)."""
+        from it, the optimizer from ``moments`` (`save_moments` of that version; None: they start over)."""
         import contextlib
 
         import ray
@@ -79,6 +94,20 @@ class TrafficLearner:
                     ray.kill(actor)
         self.restarts += int(failed)
         self._start(draft_dir)
+        if moments is not None:
+            self.learner.load_optimizer_states(moments["ranks"])
+
+    def save_moments(self, root: Path, version: int) -> None:
+        """The learner's optimizer state (moments, schedule) as the published ``version`` left it, in
+        ``root/optimizer.pt``, replacing the previous version's (atomically): what a restart from that version's
+        draft continues with (`moments`)."""
+        import os
+
+        import torch
+
+        tmp = root / f".{MOMENTS}.tmp"
+        torch.save({"version": version, "ranks": self.learner.optimizer_states()}, tmp)
+        os.replace(tmp, root / MOMENTS)
 
     def judge(self, held: Sequence[RequestRecord], weights: dict[str, Any]) -> Any:
         """The guard's decision on a candidate (`serve/guard.py`), from the held-back requests ``held``."""

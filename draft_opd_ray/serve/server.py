@@ -35,6 +35,7 @@ from typing import Any
 from draft_opd_ray.config.schema import Config
 from draft_opd_ray.errors import ConfigError
 from draft_opd_ray.serve import rollback
+from draft_opd_ray.serve.learn import moments
 from draft_opd_ray.serve.placement import serve_split
 from draft_opd_ray.serve.rollback import STATUS_ROUTE
 from draft_opd_ray.serve.traffic import Traffic
@@ -269,7 +270,8 @@ class Refitter:
                 point_served(self.run_dir, to)
                 feed.pending.clear()
                 if learner is not None and not request.get("freeze"):
-                    await asyncio.to_thread(learner.restart, str(folder), False)
+                    saved = moments(self.run_dir / "checkpoints" / "serve", to)
+                    await asyncio.to_thread(learner.restart, str(folder), False, saved)
                     entry["learner"] = f"the learner restarted from version {to}"
                 elif learner is None:
                     entry["learner"] = "no learner runs: the server serves it as it is"
@@ -358,35 +360,56 @@ class Feed:
         return out
 
 
+def step_and_judge(learner: Any, batch: list[Any], held: list[Any]) -> tuple[dict[str, Any], Any, Any]:
+    """One learner step on ``batch`` and the guard's decision on its candidate from ``held`` (blocking: run in a
+    thread); the decision is None without a guard or a candidate."""
+    row, weights = learner.step(batch)
+    decision = learner.judge(held, weights) if weights and learner.guard is not None else None
+    return row, weights, decision
+
+
 async def learn(refitter: Refitter, learner: Any) -> None:
     """The learning task: take the traffic every `serve.poll_s`; once `serve.requests_per_update` requests wait (and
-    the guard's held-back slice is full), step the learner (in a thread) and publish or refuse the candidate
+    the guard's held-back slice is full), start a learner step and the guard's judgement in a thread, and go on
+    taking the traffic beside it (requests close on time); when it is done, publish or refuse the candidate
     (`publish`). A learner that fails is restarted from the served draft; the server serves on. The learner stops
-    after `serve.max_versions` candidates. A rollback request is taken at each poll (`Refitter.roll_back`); a
-    candidate that finished training after one was asked for is dropped."""
+    after `serve.max_versions` candidates. A rollback request is taken at a poll with no step in flight
+    (`Refitter.roll_back`); a candidate that finished training after one was asked for is dropped."""
     cfg, status = refitter.cfg, refitter.status
     feed = Feed(cfg)
+    stepping: asyncio.Task[tuple[dict[str, Any], Any, Any]] | None = None
+    batch: list[Any] = []
+    t0 = 0.0
     while True:
         await asyncio.sleep(cfg.serve.poll_s)
         feed.add(await refitter.take())
-        if (request := rollback.take_request(refitter.run_dir)) is not None:
-            learner = await refitter.roll_back(learner, feed, request)
+        if stepping is None:
+            if (request := rollback.take_request(refitter.run_dir)) is not None:
+                learner = await refitter.roll_back(learner, feed, request)
+            elif learner is not None and feed.ready(cfg.serve.requests_per_update):
+                batch, t0 = feed.batch(), time.perf_counter()
+                held = list(feed.held)
+                stepping = asyncio.create_task(asyncio.to_thread(step_and_judge, learner, batch, held))
             continue
-        if learner is None or not feed.ready(cfg.serve.requests_per_update):
+        if not stepping.done():
             continue
-        batch = feed.batch()
-        t0 = time.perf_counter()
+        done, stepping = stepping, None
         try:
-            row, weights = await asyncio.to_thread(learner.step, batch)
-            decision = None
-            if weights and learner.guard is not None:
-                decision = await asyncio.to_thread(learner.judge, list(feed.held), weights)
+            row, weights, decision = done.result()
         except learner_failures() as e:
-            await asyncio.to_thread(learner.restart, served_draft(refitter.run_dir, refitter.draft))
+            saved = moments(refitter.run_dir / "checkpoints" / "serve", status.version)
+            await asyncio.to_thread(
+                learner.restart, served_draft(refitter.run_dir, refitter.draft), True, saved
+            )
             status.learner_restarts = learner.restarts
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            refitter.decided(learner.steps, "learner_restarted", why=why)
-            print(f"[serve] the learner failed ({why}); restarted from version {status.version}", flush=True)
+            optimizer = "restored" if saved is not None else "started over"
+            refitter.decided(learner.steps, "learner_restarted", why=why, optimizer=optimizer)
+            print(
+                f"[serve] the learner failed ({why}); restarted from version {status.version}, its optimizer "
+                f"{optimizer}",
+                flush=True,
+            )
             continue
         if weights and rollback.waiting(refitter.run_dir):
             refitter.decided(learner.steps, "dropped", why="a rollback was asked for")
@@ -435,6 +458,8 @@ async def publish(
     if what == "refused":
         status.refused.append(candidate)
     await asyncio.to_thread(save_version, learner, refitter.run_dir, candidate, what)
+    if what == "published":
+        await asyncio.to_thread(learner.save_moments, refitter.run_dir / "checkpoints" / "serve", candidate)
     tau = status.traffic.tau_by_version().get(served, float("nan"))
     guard = {} if decision is None else {f"guard_{k}": v for k, v in decision.diff.items()}
     refitter.decided(

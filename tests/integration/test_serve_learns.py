@@ -28,11 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
 from tests import helpers
-from tests.helpers import randomize_
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -70,24 +67,9 @@ class Server:
 @pytest.fixture(scope="module")
 def models(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The prompts' plain greedy answers and an EAGLE-3 head for the tiny target."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = tmp_path_factory.mktemp("models")
-    tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    ids = [tok(p)["input_ids"] for p in PROMPTS]
-    with torch.no_grad():
-        plain = [
-            hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
-            for p in ids
-        ]
-    counts = torch.zeros(hf.config.vocab_size)
-    for out in plain:
-        counts[out] += 1
-    # a draft vocabulary of the ids the target emits and random weights: some proposals accepted, some not
-    draft = init_eagle3(tiny_target, draft_vocab_size=int((counts > 0).sum()) + 1, token_counts=counts)
-    randomize_(draft, 0.3, torch.Generator().manual_seed(4))
-    folder = save_eagle3(draft, tmp / "draft", tiny_target)
+    ids, plain, folder = helpers.greedy_and_head(
+        tiny_target, PROMPTS, MAX_TOKENS, tmp_path_factory.mktemp("models") / "draft"
+    )
     return {"ids": ids, "plain": plain, "draft": folder}
 
 
@@ -285,46 +267,16 @@ def test_the_trained_draft_serves_with_stock_vllm(server: Server, tiny_target: P
     """The version the server served last (`latest`: version 1, rolled back to), as a folder, under stock vLLM's
     OpenAI server started with the line a run prints (`eval/summary.serve_command`): the same answers at
     temperature 0, and the draft proposes."""
-    import shlex
-
     from openai import OpenAI
-
-    from draft_opd_ray.eval.summary import serve_command
 
     assert server.proc.poll() is not None, "runs after the Ctrl-C test: one server at a time"
     folder = (server.run_dir / "checkpoints" / "serve" / "latest" / "draft").resolve()
     assert folder.name == "draft" and folder.parent.name == "v0001"
-    report = {
-        "target": str(tiny_target),
-        "speculative_config": {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K},
-    }
-    port = helpers.free_port()
-    cmd = shlex.split(serve_command(report)) + [
-        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
-        *("--enforce-eager", "--seed", "0"),
-    ]
-    log = server.log.with_name("stock.log")
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        helpers.wait_healthy(url, proc, timeout=400, log=log)
+    with helpers.stock_vllm_server(tiny_target, folder, K, server.log.with_name("stock.log")) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         for p, want in zip(server.ids, server.plain, strict=True):
             assert _ask(client, str(tiny_target), p) == want
         metrics = _get(f"{url}/metrics")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     assert helpers.prom_counter(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
 
 
@@ -332,13 +284,13 @@ def test_the_trained_draft_serves_with_stock_vllm(server: Server, tiny_target: P
 def restarting(
     tiny_target: Path, models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """A lenient guard and one candidate: the test kills the learner before it."""
+    """A lenient guard and two candidates: the test kills the learner after the first."""
     yield from _start(
         tiny_target,
         models,
         tmp_path_factory.mktemp("restarting"),
         "serve.guard_margin=1.0",
-        "serve.max_versions=1",
+        "serve.max_versions=2",
     )
 
 
@@ -378,9 +330,12 @@ def test_a_refused_candidate_is_kept_and_not_served(refusing: Server, tiny_targe
     )
 
 
-def test_a_killed_learner_comes_back_and_the_server_serves_on(restarting: Server, tiny_target: Path) -> None:
-    """The learner's Ray actor (its process) killed while the server runs: answers go on (the target's), the next
-    step finds it dead, the learner is restarted from the served draft, and its first candidate is published."""
+def test_a_killed_learner_comes_back_from_its_checkpoint_and_the_server_serves_on(
+    restarting: Server, tiny_target: Path
+) -> None:
+    """The learner's Ray actor (its process) killed after it published version 1: answers go on (the target's),
+    the next step finds it dead, the learner is restarted from version 1's checkpoint (its draft and the optimizer
+    state saved with it), and its next candidate is published."""
     import psutil
 
     def learners() -> list[psutil.Process]:
@@ -396,14 +351,18 @@ def test_a_killed_learner_comes_back_and_the_server_serves_on(restarting: Server
                 continue
         return out
 
+    _traffic_until(restarting, tiny_target, lambda s: s["published"] == [0, 1])
+    assert (restarting.run_dir / "checkpoints" / "serve" / "optimizer.pt").is_file()
     (first,) = learners()
     first.kill()
     first.wait(timeout=30)
-    status = _traffic_until(restarting, tiny_target, lambda s: s["published"] == [0, 1])
+    status = _traffic_until(restarting, tiny_target, lambda s: s["published"] == [0, 1, 2])
     print(f"status: {status}")
     assert status["learner_restarts"] == 1 and status["error"] is None
     (second,) = learners()
     assert second.pid != first.pid
     rows = [json.loads(x) for x in (restarting.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["decision"] for r in rows if r.get("stage") == "serve"] == ["learner_restarted", "published"]
-    assert "[serve] the learner failed (" in restarting.log.read_text()
+    serve = [r for r in rows if r.get("stage") == "serve"]
+    assert [r["decision"] for r in serve] == ["published", "learner_restarted", "published"]
+    assert serve[1]["optimizer"] == "restored"
+    assert "restarted from version 1, its optimizer restored" in restarting.log.read_text()

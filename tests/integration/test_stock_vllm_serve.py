@@ -8,18 +8,12 @@ checkpoint uses, with large random weights so that acceptance varies from step t
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
-from draft_opd_ray.drafts.eagle3.model import init_eagle3, save_eagle3
-from draft_opd_ray.eval.summary import serve_command
-from tests.helpers import free_port, prom_counter, randomize_, wait_healthy
+from tests.helpers import greedy_and_head, prom_counter, stock_vllm_server
 
 pytestmark = [pytest.mark.vllm]
 
@@ -29,40 +23,11 @@ MAX_TOKENS, K = 24, 3
 
 def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path: Path) -> None:
     from openai import OpenAI
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    ids = [tok(p)["input_ids"] for p in PROMPTS]
-    with torch.no_grad():
-        plain = [
-            hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
-            for p in ids
-        ]
-    counts = torch.zeros(hf.config.vocab_size)
-    for out in plain:
-        counts[out] += 1
-    # a draft vocabulary of the few ids the target emits, so that some proposals are accepted and some not
-    draft = init_eagle3(tiny_target, draft_vocab_size=int((counts > 0).sum()) + 1, token_counts=counts)
-    randomize_(draft, 0.3, torch.Generator().manual_seed(4))
-    folder = save_eagle3(draft, tmp_path / "draft", tiny_target)
-
-    # the line a run prints, run as written, with the flags of a CPU box and a port of its own
-    report = {
-        "target": str(tiny_target),
-        "speculative_config": {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K},
-    }
-    port = free_port()
-    cmd = shlex.split(serve_command(report)) + [
-        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
-        *("--enforce-eager", "--seed", "0"),
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout=400)
+    ids, plain, folder = greedy_and_head(tiny_target, PROMPTS, MAX_TOKENS, tmp_path / "draft")
+    with stock_vllm_server(tiny_target, folder, K, tmp_path / "server.log") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         for p, want in zip(ids, plain, strict=True):
             out = client.completions.create(
@@ -79,13 +44,6 @@ def test_stock_vllm_serve_answers_as_plain_decoding(tiny_target: Path, tmp_path:
                 assert list(got) == want
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
             metrics = r.read().decode()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     drafted = prom_counter(metrics, "vllm:spec_decode_num_draft_tokens_total")
     accepted = prom_counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
     print(f"served: {drafted:.0f} drafted tokens, {accepted:.0f} accepted")

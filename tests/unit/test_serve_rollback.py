@@ -38,10 +38,10 @@ def test_a_request_is_taken_once_and_a_file_that_is_none_is_refused(tmp_path: Pa
 
 class _Learner:
     def __init__(self) -> None:
-        self.restarted: list[tuple[str, bool]] = []
+        self.restarted: list[tuple[str, bool, Any]] = []
 
-    def restart(self, folder: str, failed: bool = True) -> None:
-        self.restarted.append((folder, failed))
+    def restart(self, folder: str, failed: bool = True, moments: Any = None) -> None:
+        self.restarted.append((folder, failed, moments))
 
 
 def _versions(run_dir: Path) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
@@ -82,13 +82,16 @@ def test_a_rollback_refits_the_version_proves_it_and_restarts_the_learner(served
     refitter, engine, weights = served
     feed, learner = Feed(refitter.cfg), _Learner()
     feed.pending.append("drafted by version 2")
+    torch.save(
+        {"version": 2, "ranks": [{"step": 2}]}, refitter.run_dir / "checkpoints" / "serve" / "optimizer.pt"
+    )
     got = asyncio.run(refitter.roll_back(learner, feed, {"id": "r1", "version": 1}))
     assert got is learner and refitter.status.version == 1 and refitter.status.learning
     assert engine.loads == [1] and set(engine.held) == {"fc.weight", "norm.weight"}  # not the id map
     assert all(torch.equal(engine.held[k], weights[1][k]) for k in engine.held)
     root = refitter.run_dir / "checkpoints" / "serve"
     assert (root / "latest").resolve().name == "v0001" and feed.pending == []
-    assert learner.restarted == [(str(root / "v0001" / "draft"), False)]
+    assert learner.restarted == [(str(root / "v0001" / "draft"), False, None)]  # optimizer.pt is version 2's
     (entry,) = refitter.status.as_dict()["rollbacks"]
     assert entry["id"] == "r1" and (entry["to"], entry["from"], entry["error"]) == (1, 2, None)
     (row,) = _rows(refitter.run_dir)
@@ -218,3 +221,13 @@ def test_the_spec_decode_counters_count_each_step_under_the_version_that_drafted
     assert (
         'draft_opd_ray:spec_decode_num_drafts_total{draft_version="1"} 2.0' in generate_latest(reg).decode()
     )
+
+
+def test_the_moments_saved_with_a_version_are_given_back_for_that_version_only(tmp_path: Path) -> None:
+    from draft_opd_ray.serve.learn import MOMENTS, moments
+
+    assert moments(tmp_path, 1) is None
+    torch.save({"version": 3, "ranks": [{"exp_avg": torch.ones(2)}]}, tmp_path / MOMENTS)
+    got = moments(tmp_path, 3)
+    assert got is not None and torch.equal(got["ranks"][0]["exp_avg"], torch.ones(2))
+    assert moments(tmp_path, 1) is None  # rolled back past the version they belong to: they start over
