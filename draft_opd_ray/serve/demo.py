@@ -212,6 +212,14 @@ def analyse(
             "requests_captured": len(rows),
             "tau": bootstrap_ci(rows),
             "tau_by_window": [bootstrap_ci(w) for w in windows(rows, n_windows)],
+            # the draft versions that drafted each window's requests: [first, last]
+            "versions_by_window": [
+                [
+                    min((r["first_version"] for r in w), default=0),
+                    max((r["last_version"] for r in w), default=0),
+                ]
+                for w in windows(rows, n_windows)
+            ],
             "published": [r["step"] for r in decisions if r["decision"] == "published"],
             "refused": [r["step"] for r in decisions if r["decision"] == "refused"],
             "refits_at": [t0 for t0, _ in refits],
@@ -281,13 +289,22 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             capsize=3,
             label=f"{arm} ({', '.join(map(str, a['published'])) or '-'})",
         )
+        if a["published"]:  # which versions drafted each window of the learning arm
+            for xi, yi, (v0, v1) in zip(x, y, a.get("versions_by_window", []), strict=False):
+                label = f"v{v0}" if v0 == v1 else f"v{v0}-{v1}"
+                ax.annotate(label, (xi, yi), textcoords="offset points", xytext=(8, -12), fontsize=8)
     ax.set_xticks(range(1, max(len(a["tau_by_window"]) for a in report["arms"].values()) + 1))
     ax.set_xlabel("window of finished requests (in the order they finished)")
     ax.set_ylabel("served τ (committed tokens per verification step)")
     ax.set_title(
         "Served τ over time: the draft learning from its traffic vs held fixed\n(same ShareGPT train prompts, 95% CI)"
     )
-    ax.legend(title="arm (versions published)")
+    ax.legend(
+        title="arm (versions published; vN: the versions that drafted a window)",
+        loc="lower right",
+        fontsize=8,
+        title_fontsize=8,
+    )
     fig.tight_layout()
     path = out / "tau_over_time.png"
     fig.savefig(path, dpi=120)
