@@ -209,6 +209,39 @@ def _teacher_summary(run_dir: Path, name: str) -> dict[str, Any]:
     return s
 
 
+def _serve_summary(run_dir: Path, name: str) -> dict[str, Any]:
+    """The serve demo's report (`serve/demo.py`): both arms served every request, and the learning server judged a
+    candidate (published or refused) and refit the published ones in place on this GPU."""
+    path = run_dir / "report.json"
+    s: dict[str, Any] = {"stage": f"{name}/serve"}
+    try:
+        got = json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        got = None
+    if not isinstance(got, dict) or "arms" not in got:
+        return {**s, "status": "FAIL", "why": "no report.json from the serve demo (see its smoke.log)"}
+    arms = got["arms"]
+    s["arms"] = {
+        arm: {
+            "sent": a.get("requests_sent"),
+            "failed": a.get("requests_failed"),
+            "tau": (a.get("tau") or {}).get("tau"),
+            "published": a.get("published", []),
+            "refused": a.get("refused", []),
+        }
+        for arm, a in arms.items()
+    }
+    learning = s["arms"].get("learning", {})
+    failed = sum(int(a["failed"] or 0) for a in s["arms"].values())
+    judged = bool(learning.get("published") or learning.get("refused"))
+    s["status"] = "PASS" if failed == 0 and judged and all(a["sent"] for a in s["arms"].values()) else "FAIL"
+    if failed:
+        s["why"] = f"{failed} request(s) failed"
+    elif not judged:
+        s["why"] = "the learning server judged no candidate"
+    return s
+
+
 def stage_summaries(
     run_dir: Path, rc: int, wall_s: float, name: str, expect_opd_steps: int
 ) -> list[dict[str, Any]]:
@@ -259,6 +292,8 @@ def stage_summaries(
         out.append(e)
     if name == "teacher":
         out.append(_teacher_summary(run_dir, name))
+    if name == "serve":
+        out.append(_serve_summary(run_dir, name))
     if rc != 0:  # the run failed: the stage it was in (the first without a PASS, else the last) failed
         why = "timed out" if rc == 124 else f"exit code {rc}"
         bad = next((s for s in out if s["status"] != "PASS"), out[-1] if out else None)
@@ -316,6 +351,12 @@ def line(s: dict[str, Any]) -> str:
         body = (
             f"{s.get('positions')} positions, top-k mismatches {s.get('topk_mismatches')}, max |Δ log-prob| "
             f"{_num(s.get('max_abs_logprob_diff'))}, max |Δ feature| {_num(s.get('max_abs_feature_diff'))}"
+        )
+    elif kind == "serve" and s.get("arms"):
+        body = "; ".join(
+            f"{arm} {a['sent']} requests, {a['failed']} failed, τ {_num(a['tau'])}"
+            + (f", published {a['published']}, refused {a['refused']}" if arm == "learning" else "")
+            for arm, a in s["arms"].items()
         )
     else:
         body = ""

@@ -7,6 +7,7 @@
 #   launch/gpu_smoke.sh               # the check, then the stages; one line per stage, a JSON report, PASS/FAIL
 #   launch/gpu_smoke.sh --dry-run     # prints every command and runs it with dry_run=true (works without a GPU)
 #   launch/gpu_smoke.sh --run-dir DIR [KEY=VALUE ...]   # extra Hydra overrides go to every run
+#   launch/gpu_smoke.sh --serve       # the stages, then serve (a few minutes more)
 #
 # Stages, on the embedded SmolLM2 target in bfloat16 with an EAGLE-3 draft:
 #   one  (any GPU count; engine, replay and learner share GPU 0: +cluster=gpu_shared): a few target answers and
@@ -16,6 +17,10 @@
 #   teacher (after one): `python -m draft_opd_ray.check_teacher` on stage one's Draft-OPD draft, 8 prompts in
 #        float32: the verification pass's teacher and EAGLE-3 feature rows as captured on the GPU runner (CUDA
 #        graphs, vLLM's async scheduling) against the replay's forward; PASS when its JSON line says ok.
+#   serve (with --serve, after one): `python -m draft_opd_ray.serve.demo`, small: vLLM's OpenAI server on GPU 0
+#        with stage one's draft learning from 24 replayed requests (a candidate every 6, the learner's side beside
+#        the engine: the file refit; with 2+ GPUs on its own GPU: vLLM's NCCL draft weight transfer), then the same
+#        server with the draft fixed; PASS when no request failed and a candidate was judged.
 #   multi (4+ GPUs): a tensor-parallel-2 engine on GPUs 0-1, the replay actor and 2 learner ranks (one DeepSpeed
 #        group) on GPUs 2-3, 3 steps of a fresh head with the NCCL refit from learner rank 0 into both TP ranks.
 #        With 2-3 GPUs it is skipped (a TP engine takes whole GPUs, and two learner ranks need a GPU each).
@@ -25,13 +30,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 
-check=0 dry=0 top="" extra=()
+check=0 dry=0 serve=0 top="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --check) check=1 ;;
     --dry-run) dry=1 ;;
+    --serve) serve=1 ;;
     --run-dir) top="${2:?--run-dir needs a folder}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) extra+=("$1") ;;
@@ -83,52 +89,73 @@ multi=(
 )
 
 runs=()
-stage() {  # stage NAME ARGS...: run (or dry-run) main with the common, the stage's and the user's overrides
-  local name="$1"; shift
-  local dir="$top/$name" start rc
-  local cmd=("$PY" -m draft_opd_ray.main "${common[@]}" "$@" "${extra[@]+"${extra[@]}"}" "hydra.run.dir=$dir")
-  if [ "$dry" = 1 ]; then
-    echo "[gpu-smoke] $name: ${cmd[*]} dry_run=true"
-    # the plan and any error line; the libraries' log lines ("[date time][logger][LEVEL] - ...") left out
-    "${cmd[@]}" dry_run=true 2>&1 | grep -v '^\[[0-9-]* [0-9:,]*\]\[' | sed "s/^/[gpu-smoke] $name | /"
-    rc=${PIPESTATUS[0]}
-    echo "[gpu-smoke] $name dry run: exit $rc"
-    return "$rc"
-  fi
+dry_show() {  # dry_show NAME CMD...: a dry run's lines prefixed with the stage's name, and its exit code
+  local name="$1" rc; shift
+  # the plan and any error line; the libraries' log lines ("[date time][logger][LEVEL] - ...") left out
+  "$@" 2>&1 | grep -v '^\[[0-9-]* [0-9:,]*\]\[' | sed "s/^/[gpu-smoke] $name | /"
+  rc=${PIPESTATUS[0]}
+  echo "[gpu-smoke] $name dry run: exit $rc"
+  return "$rc"
+}
+
+timed() {  # timed NAME OPD_STEPS DIR CMD...: CMD under the stage time limit, its output in DIR/smoke.log; recorded
+  local name="$1" steps="$2" dir="$3" start rc; shift 3
   mkdir -p "$dir"
-  echo "[gpu-smoke] $name: ${cmd[*]} (log $dir/smoke.log)"
+  echo "[gpu-smoke] $name: $* (log $dir/smoke.log)"
   start=$(date +%s)
   set +e
-  timeout "${SMOKE_TIMEOUT_S:-480}" "${cmd[@]}" >"$dir/smoke.log" 2>&1
+  timeout "${SMOKE_TIMEOUT_S:-480}" "$@" >"$dir/smoke.log" 2>&1
   rc=$?
   set -e
-  runs+=("$name:$rc:$(( $(date +%s) - start )):3:$dir")
+  runs+=("$name:$rc:$(( $(date +%s) - start )):$steps:$dir")
   [ "$rc" = 0 ] || tail -n 20 "$dir/smoke.log" | sed "s/^/[gpu-smoke] $name | /"
 }
 
+stage() {  # stage NAME ARGS...: run (or dry-run) main with the common, the stage's and the user's overrides
+  local name="$1"; shift
+  local dir="$top/$name"
+  local cmd=("$PY" -m draft_opd_ray.main "${common[@]}" "$@" "${extra[@]+"${extra[@]}"}" "hydra.run.dir=$dir")
+  if [ "$dry" = 1 ]; then
+    echo "[gpu-smoke] $name: ${cmd[*]} dry_run=true"
+    dry_show "$name" "${cmd[@]}" dry_run=true
+    return
+  fi
+  timed "$name" 3 "$dir" "${cmd[@]}"
+}
+
 teacher() {  # check_teacher on stage one's draft; its last line (one JSON object) goes to check_teacher.json
-  local dir="$top/teacher" start rc
+  local dir="$top/teacher"
   local cmd=("$PY" -m draft_opd_ray.check_teacher "${common[@]}" "draft.path=$top/one/checkpoints/opd/latest/draft"
     check.prompts.max_prompts=8 check.max_new_tokens=64 check.dtype=float32 "${extra[@]+"${extra[@]}"}")
   if [ "$dry" = 1 ]; then
     echo "[gpu-smoke] teacher: ${cmd[*]} (runs after stage one, on its draft)"
     return 0
   fi
-  mkdir -p "$dir"
-  echo "[gpu-smoke] teacher: ${cmd[*]} (log $dir/smoke.log)"
-  start=$(date +%s)
-  set +e
-  timeout "${SMOKE_TIMEOUT_S:-480}" "${cmd[@]}" >"$dir/smoke.log" 2>&1
-  rc=$?
-  set -e
+  timed teacher 0 "$dir" "${cmd[@]}"
   tail -n 1 "$dir/smoke.log" >"$dir/check_teacher.json"
-  runs+=("teacher:$rc:$(( $(date +%s) - start )):0:$dir")
-  [ "$rc" = 0 ] || tail -n 20 "$dir/smoke.log" | sed "s/^/[gpu-smoke] teacher | /"
+}
+
+serve_stage() {  # the serve demo on stage one's draft (planned by every dry run; run with --serve)
+  local dir="$top/serve"
+  # with 2+ GPUs the learner's side gets GPU 1 of its own (vLLM's NCCL draft weight transfer), else it shares GPU 0
+  local over=(+cluster=gpu_shared target.dtype=bfloat16 "cluster.gpus_per_node=$(( gpus > 1 ? 2 : 1 ))"
+    serve.requests_per_update=6 serve.guard_requests=2 serve.max_versions=2 wandb.mode=disabled
+    "${extra[@]+"${extra[@]}"}")
+  local cmd=("$PY" -m draft_opd_ray.serve.demo --requests 24 --concurrency 4 --max-tokens 64 --windows 2
+    --out "$dir" "${over[@]}" "draft.path=$top/one/checkpoints/opd/latest/draft")
+  if [ "$dry" = 1 ]; then
+    echo "[gpu-smoke] serve: ${cmd[*]} (runs after stage one, on its draft; its server's dry run:)"
+    dry_show serve "$PY" -m draft_opd_ray.serve "${over[@]}" serve.port=8765 dry_run=true
+    return
+  fi
+  [ "$serve" = 1 ] || return 0
+  timed serve 0 "$dir" "${cmd[@]}"
 }
 
 failed=0
 stage one "${one[@]}" || failed=1
 teacher || failed=1
+serve_stage || failed=1
 if [ "$gpus" -ge 4 ]; then
   stage multi "${multi[@]}" || failed=1
 else

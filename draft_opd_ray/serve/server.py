@@ -46,7 +46,9 @@ def check(cfg: Config) -> None:
     beside the engine (`serve/placement.py`)."""
     check_port(cfg.serve.host, cfg.serve.port)
     if cfg.serve.learn:
-        serve_split(cfg)
+        from draft_opd_ray.serve.transfer import server_transport
+
+        server_transport(cfg, serve_split(cfg))
 
 
 def stopped(run_dir: Path) -> str:
@@ -91,8 +93,17 @@ def describe(cfg: Config, sized: list[Any] | None = None) -> str:
             else "learning: off (serve.learn=false): the draft is served as it is"
         ),
     ]
-    if s.learn and (split := serve_split(cfg)) is not None:
-        lines.append(split.describe())
+    if s.learn:
+        from draft_opd_ray.serve.transfer import server_transport
+
+        split = serve_split(cfg)
+        if split is not None:
+            lines.append(split.describe())
+        lines.append(
+            "refit: vLLM's draft weight transfer, NCCL from the learner's GPU"
+            if server_transport(cfg, split) == "nccl"
+            else "refit: a weights file our worker extension loads in place"
+        )
     if sized:
         from draft_opd_ray.sizing import render
 
@@ -100,8 +111,11 @@ def describe(cfg: Config, sized: list[Any] | None = None) -> str:
     return "\n".join(lines)
 
 
-def vllm_argv(cfg: Config, target: str, spec: dict[str, Any], capture_features: bool) -> list[str]:
-    """The command line vLLM's own server gets (what `vllm serve` would be given), from the run's config."""
+def vllm_argv(
+    cfg: Config, target: str, spec: dict[str, Any], capture_features: bool, nccl: bool = False
+) -> list[str]:
+    """The command line vLLM's own server gets (what `vllm serve` would be given), from the run's config; ``nccl``:
+    the engine takes new draft versions through vLLM's weight transfer, backend NCCL (`serve/transfer.py`)."""
     from draft_opd_ray.device import resolve_dtype
     from draft_opd_ray.logs import tqdm_on_load
     from draft_opd_ray.rollout.engine import needs_eager
@@ -129,6 +143,10 @@ def vllm_argv(cfg: Config, target: str, spec: dict[str, Any], capture_features: 
         argv.append("--enforce-eager")
     if capture_features:  # a prefix-cache hit computes no prompt rows: the captured features would miss them
         argv.append("--no-enable-prefix-caching")
+    if nccl:
+        from draft_opd_ray.serve.transfer import BACKEND
+
+        argv += ["--weight-transfer-config", json.dumps(BACKEND)]
     return argv
 
 
@@ -191,6 +209,9 @@ class Refitter:
         )
         self.draft = draft  # the folder the server started with
         self.keys: set[str] | None = None  # the tensor names a refit sends (set by the first one)
+        self.transfer: Any = (
+            None  # `serve/transfer.NcclRefit` on GPUs where it fits; None: the file transport
+        )
 
     async def take(self) -> list[Any]:
         """The requests the capture closed since the last take (steps of rank 0: every rank sees the same)."""
@@ -212,32 +233,36 @@ class Refitter:
         if self.counters is not None:
             self.counters.decided(decision, self.status.version)
 
-    async def refit(self, weights: dict[str, Any], version: int) -> float:
+    async def refit(self, weights: dict[str, Any], version: int, from_learner: bool = True) -> float:
         """Load ``weights`` as ``version`` into the running engine and check the engine's read-back against them;
         returns the seconds it took. The requests in flight go on (their next steps are drafted by the new
-        version). A load that fails its proof is undone: the served version is loaded back and proved, and
-        `RefitRolledBack` says so."""
+        version). ``from_learner``: they are the learner rank's current draft (NCCL can send them, where it is
+        the transport), not a folder's. A load that fails its proof is undone: the served version is loaded back
+        (from its folder) and proved, and `RefitRolledBack` says so."""
         from draft_opd_ray.errors import RefitError
 
         t0 = time.perf_counter()
         self.keys = set(weights)
         try:
-            await self._load_and_prove(weights, version)
+            await self._load_and_prove(weights, version, from_learner)
         except RefitError as e:  # back to what was served, proved too: the candidate never serves
             folder = Path(served_draft(self.run_dir, self.draft))
-            await self._load_and_prove(folder_weights(folder, set(weights)), self.status.version)
+            await self._load_and_prove(folder_weights(folder, set(weights)), self.status.version, False)
             raise RefitRolledBack(f"{e}; rolled back to version {self.status.version}, proved") from None
         return time.perf_counter() - t0
 
-    async def _load_and_prove(self, weights: dict[str, Any], version: int) -> None:
+    async def _load_and_prove(self, weights: dict[str, Any], version: int, from_learner: bool) -> None:
         import torch
 
         from draft_opd_ray.drafts import registry
         from draft_opd_ray.sync import receiver
         from draft_opd_ray.sync.refit import check_ack, fingerprints
 
-        with receiver.weights_file(weights) as path:
-            await self.client.collective_rpc("load_draft_weights", args=(path, version))
+        if from_learner and self.transfer is not None:
+            await self.transfer.load(weights, version)
+        else:
+            with receiver.weights_file(weights) as path:
+                await self.client.collective_rpc("load_draft_weights", args=(path, version))
         await self.client.reset_prefix_cache()  # blocks of finished requests hold the old draft's KV
         ranks = await self.client.collective_rpc("draft_fingerprints")
         kind = registry.KINDS[self.cfg.draft.kind]
@@ -262,7 +287,8 @@ class Refitter:
         if isinstance(to, int) and entry["error"] is None and to != served:
             folder = version_folder(self.run_dir, self.draft, to)
             try:
-                entry["refit_s"] = round(await self.refit(folder_weights(folder, self.keys), to), 3)
+                weights = folder_weights(folder, self.keys)
+                entry["refit_s"] = round(await self.refit(weights, to, from_learner=False), 3)
             except RefitRolledBack as e:
                 entry["error"] = str(e)
             else:
@@ -271,7 +297,7 @@ class Refitter:
                 feed.pending.clear()
                 if learner is not None and not request.get("freeze"):
                     saved = moments(self.run_dir / "checkpoints" / "serve", to)
-                    await asyncio.to_thread(learner.restart, str(folder), False, saved)
+                    await self.restart_learner(learner, str(folder), False, saved)
                     entry["learner"] = f"the learner restarted from version {to}"
                 elif learner is None:
                     entry["learner"] = "no learner runs: the server serves it as it is"
@@ -288,6 +314,12 @@ class Refitter:
             flush=True,
         )
         return learner
+
+    async def restart_learner(self, learner: Any, folder: str, failed: bool, saved: Any) -> None:
+        """`TrafficLearner.restart` in a thread; its new rank 0 is the NCCL path's new sender."""
+        await asyncio.to_thread(learner.restart, folder, failed, saved)
+        if self.transfer is not None:
+            self.transfer.sender_changed(learner.learner.rank0)
 
 
 def folder_weights(folder: Path | str, keys: set[str] | None) -> dict[str, Any]:
@@ -398,8 +430,8 @@ async def learn(refitter: Refitter, learner: Any) -> None:
             row, weights, decision = done.result()
         except learner_failures() as e:
             saved = moments(refitter.run_dir / "checkpoints" / "serve", status.version)
-            await asyncio.to_thread(
-                learner.restart, served_draft(refitter.run_dir, refitter.draft), True, saved
+            await refitter.restart_learner(
+                learner, served_draft(refitter.run_dir, refitter.draft), True, saved
             )
             status.learner_restarts = learner.restarts
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -529,7 +561,13 @@ def save_version(learner: Any, run_dir: Path, version: int, what: str) -> Path:
 
 
 async def run_server(
-    args: Any, cfg: Config, capture: tuple[Any, ...], learner: Any, run_dir: Path, draft: str
+    args: Any,
+    cfg: Config,
+    capture: tuple[Any, ...],
+    learner: Any,
+    run_dir: Path,
+    draft: str,
+    transport: str = "file",
 ) -> Status:
     """vLLM's `run_server_worker`, with the capture installed, the status route and the learning task."""
     import vllm.envs as envs
@@ -557,6 +595,12 @@ async def run_server(
             await init_app_state(client, app.state, args, tasks)
             app.add_api_route(STATUS_ROUTE, lambda: JSONResponse(status.as_dict()), methods=["GET"])
             refitter = Refitter(client, cfg, status, run_dir, metrics, draft, VersionCounters())
+            if transport == "nccl" and learner is not None:
+                from draft_opd_ray.serve.transfer import NcclRefit
+                from draft_opd_ray.waits import timeout_s
+
+                tp = cfg.cluster.rollout_tensor_parallel
+                refitter.transfer = NcclRefit(client, learner.learner.rank0, tp, timeout_s())
             task = asyncio.create_task(learn(refitter, learner))
             task.add_done_callback(lambda t: _learning_stopped(t, status))
             url = f"http://{cfg.serve.host}:{cfg.serve.port}"
@@ -608,6 +652,7 @@ def serve(cfg: Config, run_dir: str) -> None:
     from draft_opd_ray.driver import load_prompts, prepare_target
     from draft_opd_ray.loop.actors import capture_settings
     from draft_opd_ray.rollout.engine import speculative_config
+    from draft_opd_ray.serve.transfer import server_transport
     from draft_opd_ray.sft.stage import run_sft_stage
 
     rd = Path(run_dir)
@@ -615,6 +660,7 @@ def serve(cfg: Config, run_dir: str) -> None:
     waits.configure(cfg.cluster.actor_timeout_s)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.rollout.kvcache_gb)))
     split = serve_split(cfg) if cfg.serve.learn else None
+    transport = server_transport(cfg, split) if cfg.serve.learn else "file"
     owned = cluster.connect(cfg, rd, gpus=None if split is None else split.ray)
     try:
         target, tokenizer, _ = prepare_target(cfg)
@@ -640,7 +686,7 @@ def serve(cfg: Config, run_dir: str) -> None:
             )
         spec = speculative_config(cfg.draft.kind, draft, cfg.draft.num_speculative_tokens)
         assert spec is not None
-        args = vllm_args(vllm_argv(cfg, target, spec, features))
+        args = vllm_args(vllm_argv(cfg, target, spec, features, nccl=transport == "nccl"))
         learner = None
         if cfg.serve.learn:
             from draft_opd_ray.serve.learn import TrafficLearner
@@ -656,7 +702,7 @@ def serve(cfg: Config, run_dir: str) -> None:
             ),
             flush=True,
         )
-        status = uvloop.run(run_server(args, cfg, (topk, vocab, features), learner, rd, draft))
+        status = uvloop.run(run_server(args, cfg, (topk, vocab, features), learner, rd, draft, transport))
         print(f"[serve] stopped: {json.dumps(status.as_dict())}", flush=True)
     finally:
         if owned:

@@ -247,6 +247,9 @@ COMMANDS: dict[str, Row] = {
         shows=("no GPU",) if NO_GPU else (),
     ),
     "launch/gpu_smoke.sh": skip("a few minutes on a GPU; its `--check` runs here"),
+    "launch/gpu_smoke.sh --serve": skip(
+        "minutes on a GPU; its serve stage's server is dry-run by `launch/gpu_smoke.sh --dry-run` here"
+    ),
     "python -m draft_opd_ray.main resume=outputs/2026-12-01/10-00-00": dry(
         "the README's run dir, made here with a complete opd checkpoint"
     ),

@@ -46,8 +46,11 @@ def test_dry_run_validates_every_command(tmp_path: Path) -> None:
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    for stage in ("one", "multi"):
+    for stage in ("one", "serve", "multi"):
         assert f"[gpu-smoke] {stage} dry run: exit 0" in text
+    # the serve stage, planned for 4 GPUs: the engine on GPU 0, the learner's side on GPU 1, NCCL refits
+    assert "[gpu-smoke] serve | GPUs: vLLM's engine on ['0']; the learner's side" in text
+    assert "[gpu-smoke] serve | refit: vLLM's draft weight transfer, NCCL from the learner's GPU" in text
     assert text.count("placement plan for cluster") == 2
     assert "tensor_parallel_size=2" in text and "data-parallel size 2" in text  # the multi-GPU stage's plan
     assert "dry run PASS" in text
@@ -171,3 +174,36 @@ def test_the_teacher_stage_reports_check_teachers_line(
     assert (
         "teacher/check_teacher FAIL (exit code 1; no JSON line from check_teacher" in capsys.readouterr().out
     )
+
+
+def test_the_serve_stage_reports_the_demos_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stage `serve`: the serve demo's report.json decides it: every request served, a candidate judged."""
+
+    def arm(failed: int, published: list[int]) -> dict[str, object]:
+        return {
+            "requests_sent": 24,
+            "requests_failed": failed,
+            "tau": {"tau": 1.8},
+            "published": published,
+            "refused": [],
+        }
+
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "report.json").write_text(
+        json.dumps({"arms": {"learning": arm(0, [1, 2]), "static": arm(0, [])}})
+    )
+    assert report(tmp_path, [("serve", good, 0, 200.0, 0)]) == 0
+    out = capsys.readouterr().out
+    assert "serve/serve PASS: learning 24 requests, 0 failed, τ 1.8" in out and "published [1, 2]" in out
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    (failing / "report.json").write_text(json.dumps({"arms": {"learning": arm(2, []), "static": arm(0, [])}}))
+    assert report(tmp_path, [("serve", failing, 0, 200.0, 0)]) == 1
+    assert "serve/serve FAIL (2 request(s) failed)" in capsys.readouterr().out
+    none = tmp_path / "none"
+    none.mkdir()
+    assert report(tmp_path, [("serve", none, 1, 200.0, 0)]) == 1
+    assert "no report.json from the serve demo" in capsys.readouterr().out

@@ -74,3 +74,30 @@ def test_no_split_on_cpu_or_when_the_actors_join_a_ray_cluster(monkeypatch: pyte
     cfg.cluster.ray_address = None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert serve_split(cfg) is None
+
+
+def test_the_servers_refit_transport_follows_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve/transfer.server_transport`: NCCL where the learner's side has GPUs of its own (auto), the file
+    transport where it shares the engine's GPU or on CPU; nccl asked for where it cannot run is a ConfigError."""
+    from draft_opd_ray.serve.transfer import server_transport
+
+    cfg = Config()
+    assert server_transport(cfg, None) == "file"  # CPU
+    cfg.rollout.weight_sync = "nccl"
+    with pytest.raises(ConfigError, match="rollout.weight_sync: nccl needs GPUs"):
+        server_transport(cfg, None)
+    cfg.cluster.gpus_per_node = 2
+    own, shared = split_gpus(["0", "1"], 1, SHARED), split_gpus(["0"], 1, SHARED)
+    for choice, split, want in (
+        ("auto", own, "nccl"),
+        ("auto", shared, "file"),
+        ("shm_file", own, "file"),
+        ("nccl", own, "nccl"),
+        ("auto", None, "file"),  # a joined Ray cluster: nothing says the learner has a GPU of its own
+        ("nccl", None, "nccl"),
+    ):
+        cfg.rollout.weight_sync = choice
+        assert server_transport(cfg, split) == want, (choice, split)
+    cfg.rollout.weight_sync = "nccl"
+    with pytest.raises(ConfigError, match="the learner's side and the engine on GPU 0"):
+        server_transport(cfg, shared)

@@ -231,3 +231,26 @@ def test_the_moments_saved_with_a_version_are_given_back_for_that_version_only(t
     got = moments(tmp_path, 3)
     assert got is not None and torch.equal(got["ranks"][0]["exp_avg"], torch.ones(2))
     assert moments(tmp_path, 1) is None  # rolled back past the version they belong to: they start over
+
+
+def test_a_candidate_takes_the_transfer_and_a_rollback_the_file(served: Any) -> None:
+    """With vLLM's NCCL transfer in place (`Refitter.transfer`), a candidate (the learner's weights) goes through
+    it, and a rollback (a folder's weights) through the file; both are proved by the engine's read-back."""
+    refitter, engine, weights = served
+
+    class Transfer:  # stands in for `NcclRefit`: the broadcast lands in the engine as a load would
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        async def load(self, w: dict[str, torch.Tensor], version: int) -> None:
+            self.sent.append(version)
+            engine.held, engine.version = dict(w), version
+
+    refitter.transfer = Transfer()
+    candidate = {k: v + 1.0 for k, v in weights[2].items()}
+    refitter.status.version, refitter.status.published = 2, [0, 1, 2]
+    assert asyncio.run(refitter.refit(candidate, 3)) >= 0
+    assert refitter.transfer.sent == [3] and engine.loads == []  # no file
+    refitter.status.version, refitter.status.published = 3, [0, 1, 2, 3]
+    asyncio.run(refitter.roll_back(None, Feed(refitter.cfg), {"version": 1}))
+    assert refitter.transfer.sent == [3] and engine.loads == [1] and refitter.status.version == 1
