@@ -15,7 +15,9 @@ import pytest
 
 from tests.helpers import greedy_and_head, prom_counter, stock_vllm_server
 
-pytestmark = [pytest.mark.vllm]
+# slow tier: the same stock server on a draft trained by the server runs in test_serve_learns.py (slow too); the
+# default tier's exported drafts are served by vLLM in test_serve_vllm.py
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS, K = 24, 3
