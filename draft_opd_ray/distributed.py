@@ -73,7 +73,10 @@ def init_process_group(
         LOCAL_RANK="0",
         WORLD_SIZE=str(world_size),
     )
-    deepspeed.init_distributed(dist_backend=resolve_backend(backend))
+    from draft_opd_ray.logs import into_log
+
+    with into_log():  # DeepSpeed prints that its communication op was built
+        deepspeed.init_distributed(dist_backend=resolve_backend(backend))
 
 
 def world() -> tuple[int, int]:

@@ -12,21 +12,41 @@ How every process is reached, with no vLLM file touched:
   configure its logging), which the engine-core processes it spawns inherit and apply at import;
 - vLLM's weight-loading progress bars are off (`tqdm_on_load`); Python's FutureWarnings from the libraries are
   dropped in the child processes (``PYTHONWARNINGS``); DeepSpeed is told its accelerator on a CPU run
-  (``DS_ACCELERATOR=cpu``), which answers the one warning it prints at import.
+  (``DS_ACCELERATOR=cpu``), which answers the one warning it prints at import;
+- transformers' own console handler is removed, so its warnings (e.g. a tokenizer's "sequence length is longer
+  than the specified maximum") reach the log file through the same config; what a library prints rather than
+  logs goes there inside `into_log` (DeepSpeed's "op built successfully" at `init_distributed`);
+- a process that vLLM spawns logs at import, before it configures logging from the engine's config, so a warning
+  of that moment has no handler but Python's last resort (stderr, unformatted). The driver's spawned processes
+  import `draft_opd_ray.main` first (multiprocessing re-imports the parent's main module) and are routed there;
+  a Ray worker's re-import Ray's own, so the driver's console drops those lines from workers
+  (`CONSOLE_NOISE`, Ray's documented ``RAY_DEDUP_LOGS_SKIP_REGEX``; they stay in Ray's worker logs);
+- warnings that C++ code writes straight to stderr (torch's ``TORCH_WARN``, e.g. vLLM's CPU worker on NUMA
+  binding) are not logging records: a quiet run sets ``TORCH_CPP_LOG_LEVEL=ERROR`` (unless it is set), so only
+  their errors print; ``verbose=true`` shows them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import logging.config
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 LOG_DIR_ENV = "DRAFT_OPD_RAY_LOG_DIR"  # set: quiet, the libraries log under this dir
 LIBRARIES = ("vllm", "ray", "DeepSpeed", "transformers", "torch", "accelerate", "filelock", "urllib3")
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+# Lines a library prints in a Ray worker's child before any logging config applies (vLLM's engine cores at
+# import, DeepSpeed's op builder): a quiet run's driver keeps them off its console.
+CONSOLE_NOISE = (
+    r"Triton is installed, but doesn't include CPU backend",
+    r"^DeepSpeed \S+ built successfully$",
+)
+_routed: Path | None = None  # this process's library log, once `route` has run in a quiet run
 
 
 def logging_config(log_file: Path) -> dict[str, Any]:
@@ -56,7 +76,10 @@ def run_env(run_dir: str | os.PathLike[str], verbose: bool, cpu_only: bool) -> d
     """The environment every process of a quiet run gets (empty when ``verbose``)."""
     if verbose:
         return {}
-    env = {LOG_DIR_ENV: str(Path(run_dir).resolve() / "logs")}
+    env = {
+        LOG_DIR_ENV: str(Path(run_dir).resolve() / "logs"),
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+    }
     if cpu_only:
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -80,13 +103,42 @@ def route(role: str) -> Path | None:
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     logging.config.dictConfig(config)
+    _drop_transformers_handler()
+    global _routed
+    _routed = log_file
     return log_file
+
+
+def _drop_transformers_handler() -> None:
+    """transformers adds a stderr handler of its own to its library logger at first use, beside any configured
+    one: add it now (if transformers is installed) and take it off, so the dictConfig's handlers are the only
+    ones."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+
+
+@contextlib.contextmanager
+def into_log() -> Iterator[None]:
+    """Inside: what this process prints to stdout goes to its library log in a quiet run, for a library that
+    prints rather than logs; as it is otherwise."""
+    if _routed is None:
+        yield
+        return
+    with _routed.open("a") as out, contextlib.redirect_stdout(out):
+        yield
 
 
 def quiet(run_dir: str | os.PathLike[str], verbose: bool, cpu_only: bool) -> Path | None:
     """The driver's part: set the run's environment here (Ray's local workers inherit it; `runtime_env` carries it
-    to a joined cluster) and route this process. Returns the driver's log file (None: verbose)."""
+    to a joined cluster), keep `CONSOLE_NOISE` off the console (read when Ray is imported, which is later; a
+    user's own ``RAY_DEDUP_LOGS_SKIP_REGEX`` wins) and route this process. Returns the driver's log file (None:
+    verbose)."""
     os.environ.update(run_env(run_dir, verbose, cpu_only))
+    if not verbose:
+        os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", "|".join(CONSOLE_NOISE))
     return route("driver")
 
 
@@ -95,7 +147,9 @@ def runtime_env() -> dict[str, Any]:
     every worker; else nothing."""
     if not os.environ.get(LOG_DIR_ENV):
         return {}
-    env = {k: os.environ[k] for k in (LOG_DIR_ENV, "DS_ACCELERATOR") if k in os.environ}
+    env = {
+        k: os.environ[k] for k in (LOG_DIR_ENV, "TORCH_CPP_LOG_LEVEL", "DS_ACCELERATOR") if k in os.environ
+    }
     return {"env_vars": env, "worker_process_setup_hook": "draft_opd_ray.logs.worker_hook"}
 
 

@@ -310,3 +310,10 @@ def main(entry: Entry | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    # A process that multiprocessing spawned from a run (a vLLM engine core of the driver's) imports the parent's
+    # main module under this name before its target: route its libraries there, before vLLM's import-time warnings
+    # (vLLM configures logging only once its engine starts). A no-op unless the run is quiet.
+    from draft_opd_ray.logs import route
+
+    route("driver")
