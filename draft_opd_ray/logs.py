@@ -41,11 +41,10 @@ LOG_DIR_ENV = "DRAFT_OPD_RAY_LOG_DIR"  # set: quiet, the libraries log under thi
 LIBRARIES = ("vllm", "ray", "DeepSpeed", "transformers", "torch", "accelerate", "filelock", "urllib3")
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 # Lines a library prints in a Ray worker's child before any logging config applies (vLLM's engine cores at
-# import, DeepSpeed's op builder): a quiet run's driver keeps them off its console.
-CONSOLE_NOISE = (
-    r"Triton is installed, but doesn't include CPU backend",
-    r"^DeepSpeed \S+ built successfully$",
-)
+# import): a quiet run's driver keeps them off its console.
+CONSOLE_NOISE = (r"Triton is installed, but doesn't include CPU backend",)
+# the environment `run_env` sets, which `runtime_env` carries to every worker
+_RUN_ENV_KEYS = (LOG_DIR_ENV, "TORCH_CPP_LOG_LEVEL", "DS_ACCELERATOR")
 _routed: Path | None = None  # this process's library log, once `route` has run in a quiet run
 
 
@@ -147,9 +146,7 @@ def runtime_env() -> dict[str, Any]:
     every worker; else nothing."""
     if not os.environ.get(LOG_DIR_ENV):
         return {}
-    env = {
-        k: os.environ[k] for k in (LOG_DIR_ENV, "TORCH_CPP_LOG_LEVEL", "DS_ACCELERATOR") if k in os.environ
-    }
+    env = {k: os.environ[k] for k in _RUN_ENV_KEYS if k in os.environ}
     return {"env_vars": env, "worker_process_setup_hook": "draft_opd_ray.logs.worker_hook"}
 
 
